@@ -1,0 +1,46 @@
+"""The ``ddpkit`` command: dispatches to ``run`` (the launcher) and ``bench`` (benchmarks)."""
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+_USAGE = """usage: ddpkit <command> [args...]
+
+commands:
+  run     launch a training script on N local processes / several nodes (torchrun's flags)
+  bench   collective bandwidth and DDP step time, ddpkit vs torch, on this machine
+  env     print what ddpkit detects from this process's environment
+
+'ddpkit <command> --help' describes each command."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ddpkit`` console script; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from ddpkit.launch.cli import main as run_main
+
+        return run_main(rest)
+    if command == "bench":
+        from ddpkit.bench.cli import main as bench_main
+
+        return bench_main(rest)
+    if command == "env":
+        import os
+
+        from ddpkit.env import detect
+
+        print(detect(os.environ))
+        return 0
+    if command in ("--version", "version"):
+        from ddpkit import __version__
+
+        print(f"ddpkit {__version__}")
+        return 0
+    print(f"ddpkit: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
+    return 2

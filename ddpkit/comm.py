@@ -1,0 +1,178 @@
+"""Collectives for user code: typed, named ops, and they also work in a world of one.
+
+Each takes ``group=None`` (the default group). Without any process group (a plain ``python`` run
+that never called ``ddpkit.init()``) they act as the identity of a world of one, so the same
+training script runs everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "reduce_scatter", "barrier",
+           "REDUCE_OPS"]
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # summed, then divided by the world size
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def _active(group) -> bool:
+    """True when there is a process group to talk to; False means: act as a world of one."""
+    return dist.is_available() and dist.is_initialized() or group is not None
+
+
+def _world_size(group) -> int:
+    return dist.get_world_size(group) if _active(group) else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def _reduce_op(op: str) -> tuple[str, Any]:
+    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not a reduction ddpkit knows: use one of "
+                         f"{sorted(set(REDUCE_OPS) - {'avg', 'prod'})}.")
+    return op.lower(), REDUCE_OPS[op.lower()]
+
+
+def _check_tensor(name: str, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks in place (op: sum, mean, max, min, product); returns it."""
+    _check_tensor("tensor", tensor)
+    name, reduce_op = _reduce_op(op)
+    if name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, got {tensor.dtype}. "
+                        "HINT: convert with .float(), or reduce with op='sum'.")
+    if _world_size(group) == 1:
+        return tensor
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    if name in ("mean", "avg"):
+        tensor.div_(_world_size(group))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s; returns it."""
+    _check_tensor("tensor", tensor)
+    world_size = _world_size(group)
+    if not 0 <= src < world_size:
+        raise ValueError(f"src={src} is not a rank of this group of {world_size}.")
+    if world_size > 1:
+        dist.broadcast(tensor, src=_global_rank(group, src), group=group)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """Return rank ``src``'s ``obj`` (any picklable object) on every rank."""
+    world_size = _world_size(group)
+    if not 0 <= src < world_size:
+        raise ValueError(f"src={src} is not a rank of this group of {world_size}.")
+    if world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global_rank(group, src), group=group,
+                               device=_comm_device(group))
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order. First dimensions may differ between ranks.
+
+    Returns a list of ``world_size`` tensors (``torch.cat`` it for one tensor).
+    """
+    _check_tensor("tensor", tensor)
+    world_size = _world_size(group)
+    if world_size == 1:
+        return [tensor.clone()]
+    tensor = tensor.contiguous()
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+                         dtype=torch.int64, device=tensor.device)
+    if tensor.dim() > 8:
+        raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
+    shapes = [torch.empty_like(shape) for _ in range(world_size)]
+    dist.all_gather(shapes, shape, group=group)
+    shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
+    mine = _rank(group)
+    for rank, other in enumerate(shapes):
+        if len(other) != tensor.dim() or (tensor.dim() and other[1:] != tuple(tensor.shape[1:])):
+            raise ValueError(
+                f"all_gather: rank {rank} has shape {list(other)} and rank {mine} has "
+                f"{list(tensor.shape)}: only the first dimension may differ between ranks."
+            )
+    if tensor.dim() == 0:
+        out = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.all_gather(out, tensor, group=group)
+        return out
+    longest = max(s[0] for s in shapes)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    out = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(out, padded, group=group)
+    return [o[: s[0]].clone() for o, s in zip(out, shapes)]
+
+
+def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
+                   group=None) -> torch.Tensor:
+    """Reduce over ranks, then give rank ``r`` the ``r``-th chunk of the result.
+
+    ``tensor`` is either one tensor split along dim 0 like ``torch.tensor_split`` (uneven sizes are
+    fine), or a list of ``world_size`` tensors. Gloo has no native reduce-scatter: there it is an
+    all-reduce followed by taking this rank's chunk, the same result at twice the traffic.
+    """
+    world_size, rank = _world_size(group), _rank(group)
+    if isinstance(tensor, torch.Tensor):
+        if tensor.dim() == 0:
+            raise ValueError("reduce_scatter needs a tensor with a first dimension to split, got a scalar.")
+        chunks = list(torch.tensor_split(tensor, world_size))
+    else:
+        chunks = list(tensor)
+        if len(chunks) != world_size:
+            raise ValueError(f"reduce_scatter got {len(chunks)} tensors for a group of {world_size} "
+                             "ranks: pass exactly one per rank.")
+        for i, chunk in enumerate(chunks):
+            _check_tensor(f"tensor[{i}]", chunk)
+    name, reduce_op = _reduce_op(op)
+    if world_size == 1:
+        return chunks[0].clone()
+    same_shapes = all(c.shape == chunks[0].shape for c in chunks)
+    if dist.get_backend(group) == "nccl" and same_shapes:
+        out = torch.empty_like(chunks[rank])
+        dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=reduce_op, group=group)
+    else:
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        dist.all_reduce(flat, op=reduce_op, group=group)
+        start = sum(c.numel() for c in chunks[:rank])
+        out = flat[start:start + chunks[rank].numel()].view_as(chunks[rank]).clone()
+    if name in ("mean", "avg"):
+        out.div_(world_size)
+    return out
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of the group arrives here."""
+    if _world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _global_rank(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _comm_device(group) -> torch.device | None:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None

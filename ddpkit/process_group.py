@@ -1,0 +1,193 @@
+"""``ddpkit.init()`` / ``ddpkit.shutdown()``: the one place that turns a ``DistEnv`` into a process group.
+
+A world of one (``python train.py``) gets a real Gloo group over an in-process store: no network, yet
+ddpkit's collectives and plain ``torch.distributed`` calls in user code work unchanged. A larger world
+rendezvouses on a TCPStore at MASTER_ADDR:MASTER_PORT with a deadline, and a rendezvous that cannot
+complete says how many ranks arrived and where they were looking.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.env import DistEnv, detect
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "init",
+    "shutdown",
+    "current_env",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "is_main_process",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""How long a rendezvous or a collective may wait; torch's own default is 30 minutes."""
+
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+# What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
+_state: dict[str, DistEnv | None] = {"env": None}
+
+
+def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistEnv:
+    """Join the job this process was launched into (idempotent) and return its ``DistEnv``.
+
+    Args:
+        backend: "nccl", "gloo", ...; default NCCL when CUDA is usable, else Gloo (also read from
+            ``DDPKIT_BACKEND``).
+        timeout: seconds or a timedelta for the rendezvous and for every collective; default 5 minutes.
+
+    Returns:
+        The detected ``DistEnv`` with ``backend`` (None in the single-process fallback) and ``device``
+        (``cuda:<local_rank>`` or ``cpu``) filled in.
+
+    Raises:
+        ValueError: contradictory launcher variables, or an unknown backend.
+        RuntimeError: the rendezvous did not complete within ``timeout``.
+    """
+    if _state["env"] is not None:
+        return _state["env"]
+    timeout = _as_timedelta(timeout)
+    if dist.is_initialized():
+        env = _adopt_existing_group()
+    else:
+        env = detect(os.environ)
+        backend = _choose_backend(backend or os.environ.get("DDPKIT_BACKEND") or None)
+        device = _choose_device(backend, env)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if env.world_size == 1:
+            # a world of one needs no network: an in-process store is enough
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            store = _rendezvous(env, timeout)
+            dist.init_process_group(backend, store=store, rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
+    _state["env"] = env
+    return env
+
+
+def shutdown() -> None:
+    """Destroy the process group ``init()`` created; safe to call twice or without ``init()``."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state["env"] = None
+
+
+def current_env() -> DistEnv | None:
+    """The ``DistEnv`` returned by ``init()``, or None before it."""
+    return _state["env"]
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank: from the process group once initialized, else from the environment."""
+    return dist.get_rank() if dist.is_initialized() else detect(os.environ).rank
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else detect(os.environ).world_size
+
+
+def get_local_rank() -> int:
+    env = _state["env"] or detect(os.environ)
+    return env.local_rank
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and in a single process): the one that prints, logs and saves."""
+    return get_rank() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta.")
+    return timedelta(seconds=timeout)
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    backend = backend.lower()
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False. "
+                         "HINT: use backend='gloo' on CPU.")
+    return backend
+
+
+def _choose_device(backend: str, env: DistEnv) -> torch.device:
+    if backend != "gloo" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise ValueError(
+                f"LOCAL_RANK={env.local_rank} but this node has only {count} visible GPU(s). "
+                "HINT: start at most one process per GPU (--nproc-per-node), or check "
+                "CUDA_VISIBLE_DEVICES."
+            )
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def _adopt_existing_group() -> DistEnv:
+    """The user called ``torch.distributed.init_process_group`` already: describe that group."""
+    env = detect(os.environ)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    launcher = env.launcher if env.world_size == dist.get_world_size() else "torchrun"
+    return env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend,
+                       device=device, launcher=launcher)
+
+
+def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank has arrived."""
+    address = f"{env.master_addr}:{env.master_port}"
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=env.rank == 0 and not agent_hosts_store,
+                              timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        who = "the launcher" if agent_hosts_store else "rank 0"
+        raise RuntimeError(
+            f"rank {env.rank} could not reach the rendezvous at {address} within "
+            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}. HINT: check that "
+            f"MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on every "
+            "rank, that rank 0 is running, and that the port is free and reachable."
+        ) from e
+    # a restarted group must not read the previous attempt's keys from a store that outlived it
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ddpkit/attempt{attempt}", store)
+    arrived = store.add("arrived", 1)
+    if arrived == env.world_size:
+        store.set("complete", "1")
+    try:
+        store.wait(["complete"], timeout)
+    except (RuntimeError, OSError) as e:
+        joined = store.add("arrived", 0)
+        raise RuntimeError(
+            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: only {joined} "
+            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}). HINT: a rank "
+            "failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
+        ) from e
+    return store
