@@ -106,13 +106,10 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     shapes = [torch.empty_like(shape) for _ in range(world_size)]
     dist.all_gather(shapes, shape, group=group)
     shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
-    mine = _rank(group)
-    for rank, other in enumerate(shapes):
-        if len(other) != tensor.dim() or (tensor.dim() and other[1:] != tuple(tensor.shape[1:])):
-            raise ValueError(
-                f"all_gather: rank {rank} has shape {list(other)} and rank {mine} has "
-                f"{list(tensor.shape)}: only the first dimension may differ between ranks."
-            )
+    if any(len(s) != tensor.dim() or s[1:] != tuple(tensor.shape[1:]) for s in shapes):
+        listed = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
+        raise ValueError(f"all_gather: only the first dimension may differ between ranks, but the "
+                         f"shapes are {listed}.")
     if tensor.dim() == 0:
         out = [torch.empty_like(tensor) for _ in range(world_size)]
         dist.all_gather(out, tensor, group=group)

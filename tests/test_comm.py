@@ -1,0 +1,117 @@
+"""Collectives against hand-computed values, in a world of one and on 2-3 real ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ranks import RankFailure, run_ranks
+
+
+def test_collectives_without_any_process_group_act_as_a_world_of_one():
+    assert not dist.is_initialized()
+    t = torch.tensor([1.0, 2.0])
+    assert ddpkit.all_reduce(t, "mean") is t and t.tolist() == [1.0, 2.0]
+    assert ddpkit.broadcast(t).tolist() == [1.0, 2.0]
+    assert ddpkit.broadcast_object({"a": 1}) == {"a": 1}
+    assert [x.tolist() for x in ddpkit.all_gather(t)] == [[1.0, 2.0]]
+    assert ddpkit.reduce_scatter(torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]
+    ddpkit.barrier()
+
+
+@pytest.mark.parametrize("op", ["median", 3, None])
+def test_unknown_reduce_op_is_named(op):
+    with pytest.raises(ValueError, match=rf"op={op!r} is not a reduction"):
+        ddpkit.all_reduce(torch.ones(1), op)
+
+
+def test_mean_of_an_integer_tensor_is_refused():
+    with pytest.raises(TypeError, match=r"op='mean'.*torch.int64"):
+        ddpkit.all_reduce(torch.ones(2, dtype=torch.int64), "mean")
+
+
+def test_non_tensor_input_is_refused():
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got list"):
+        ddpkit.all_reduce([1.0])
+
+
+def _every_collective():
+    rank, world = ddpkit.get_rank(), ddpkit.get_world_size()
+    out = {}
+    for op in ("sum", "mean", "max", "min", "product"):
+        out[op] = ddpkit.all_reduce(torch.tensor([rank + 1.0, -(rank + 1.0)]), op).tolist()
+    out["int_sum"] = ddpkit.all_reduce(torch.tensor([rank + 1])).tolist()
+    out["broadcast"] = ddpkit.broadcast(torch.full((2,), float(rank)), src=world - 1).tolist()
+    out["object"] = ddpkit.broadcast_object({"from": rank, "items": [rank] * 3}, src=1)
+    out["gather"] = [g.tolist() for g in ddpkit.all_gather(torch.full((rank + 1, 2), rank))]
+    out["gather_empty"] = [g.shape[0] for g in ddpkit.all_gather(torch.ones(rank % 2, 3))]
+    out["gather_scalar"] = [g.item() for g in ddpkit.all_gather(torch.tensor(rank * 10))]
+    out["scatter"] = ddpkit.reduce_scatter(torch.arange(7.0) * (rank + 1)).tolist()
+    out["scatter_list"] = ddpkit.reduce_scatter(
+        [torch.full((2,), float(r + rank)) for r in range(world)], op="max").tolist()
+    ddpkit.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_against_hand_computed_values(world):
+    results = run_ranks(_every_collective, world)
+    total = sum(range(1, world + 1))
+    product = 1.0
+    for r in range(1, world + 1):
+        product *= r
+    chunks = torch.tensor_split(torch.arange(7.0) * total, world)
+    for rank, out in enumerate(results):
+        assert out["sum"] == [total, -total]
+        assert out["mean"] == pytest.approx([total / world, -total / world])
+        assert out["max"] == [world, -1.0]
+        assert out["min"] == [1.0, -world]
+        assert out["product"] == [product, (-1) ** world * product]
+        assert out["int_sum"] == [total]
+        assert out["broadcast"] == [world - 1.0] * 2
+        assert out["object"] == {"from": 1, "items": [1, 1, 1]}
+        assert out["gather"] == [[[r] * 2] * (r + 1) for r in range(world)]
+        assert out["gather_empty"] == [r % 2 for r in range(world)]
+        assert out["gather_scalar"] == [r * 10 for r in range(world)]
+        assert out["scatter"] == chunks[rank].tolist()
+        assert out["scatter_list"] == [rank + world - 1.0] * 2
+
+
+def _subgroup_sum():
+    group = dist.new_group([0, 1])
+    if ddpkit.get_rank() > 1:
+        return None
+    t = ddpkit.all_reduce(torch.tensor([ddpkit.get_rank() + 1.0]), group=group)
+    src_value = ddpkit.broadcast(torch.tensor([float(ddpkit.get_rank())]), src=1, group=group)
+    return t.item(), src_value.item(), len(ddpkit.all_gather(torch.ones(1), group=group))
+
+
+@pytest.mark.timeout(60)
+def test_collectives_respect_the_group_argument():
+    assert run_ranks(_subgroup_sum, 3) == [(3.0, 1.0, 2), (3.0, 1.0, 2), None]
+
+
+def _gather_mismatched_trailing_dims():
+    ddpkit.all_gather(torch.ones(2, 3 + ddpkit.get_rank()))
+
+
+@pytest.mark.timeout(60)
+def test_all_gather_with_different_trailing_dims_fails_on_every_rank():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_gather_mismatched_trailing_dims, 2)
+    assert sorted(info.value.failures) == [0, 1]
+    for text in info.value.failures.values():
+        assert "only the first dimension may differ" in text
+        assert "rank 0: [2, 3], rank 1: [2, 4]" in text
+
+
+def _reduce_scatter_wrong_count():
+    ddpkit.reduce_scatter([torch.ones(1)] * 3)
+
+
+@pytest.mark.timeout(60)
+def test_reduce_scatter_wants_one_tensor_per_rank():
+    with pytest.raises(RankFailure, match=r"got 3 tensors for a group of 2 ranks"):
+        run_ranks(_reduce_scatter_wrong_count, 2)
