@@ -14,6 +14,8 @@ from typing import Mapping
 
 import torch
 
+from ddpkit.hostlist import expand_hostlist
+
 __all__ = ["DistEnv", "detect", "expand_hostlist", "LAUNCHERS", "DEFAULT_MASTER_PORT"]
 
 LAUNCHERS = ("torchrun", "ddpkit", "slurm", "mpi", "single")
@@ -273,60 +275,3 @@ def _from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     master_port = _master_port(environ, DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, "mpi")
-
-
-# --------------------------------------------------------------------------------------------------
-# SLURM hostlists
-
-
-def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a SLURM hostlist: ``"gpu-[01-03,07],cpu5"`` -> gpu-01, gpu-02, gpu-03, gpu-07, cpu5.
-
-    Zero padding is kept, several bracket groups in one name multiply out (``"n[1-2]-ib[0-1]"``), and
-    duplicates are kept in order, as ``scontrol show hostnames`` does.
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(hostlist):
-        hosts += _expand_one(name, hostlist)
-    return hosts
-
-
-def _split_top_level(hostlist: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for char in hostlist:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"SLURM hostlist {hostlist!r} has a ']' without its '['.")
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise ValueError(f"SLURM hostlist {hostlist!r} has a '[' without its ']'.")
-    parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _expand_one(name: str, hostlist: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", name)
-    if match is None:
-        return [name]
-    prefix, suffix = name[: match.start()], name[match.end():]
-    expanded = []
-    for item in match.group(1).split(","):
-        item = item.strip()
-        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
-        if bounds is None:
-            raise ValueError(f"SLURM hostlist {hostlist!r}: range {item!r} is not N or N-M.")
-        low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
-        if int(high) < int(low):
-            raise ValueError(f"SLURM hostlist {hostlist!r}: range {item!r} runs backwards.")
-        width = len(low)
-        for number in range(int(low), int(high) + 1):
-            for tail in _expand_one(suffix, hostlist):
-                expanded.append(f"{prefix}{number:0{width}d}{tail}")
-    return expanded
