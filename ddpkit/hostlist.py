@@ -6,7 +6,6 @@ import re
 __all__ = ["expand_hostlist"]
 
 
-
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a SLURM hostlist: ``"gpu-[01-03,07],cpu5"`` -> gpu-01, gpu-02, gpu-03, gpu-07, cpu5.
 
