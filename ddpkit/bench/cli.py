@@ -1,0 +1,171 @@
+"""``ddpkit bench``: collective bandwidth and DDP step time, ddpkit vs torch, on this machine.
+
+    ddpkit bench                       # full run, 2 local ranks (a few minutes on 2 CPU cores)
+    ddpkit bench --quick --json o.json # smoke run, a few seconds
+    python -m ddpkit bench --nproc 4 --tables collectives --plot bw.png
+
+The bench spawns its own ranks (it needs no launcher), hosts their rendezvous store on a port the OS
+picks, and prints every table on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+__all__ = ["main", "parse_args"]
+
+_TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
+                  "collectives": "collectives", "ddp": "ddp", "step": "ddp", "buckets": "buckets",
+                  "hooks": "buckets", "memory": "memory"}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpkit bench",
+        description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
+                    "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
+                    "cap and comm hooks), 4 memory.")
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    parser.add_argument("--backend", default=None,
+                        help="process-group backend (default nccl with CUDA, else gloo)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per DDP variant and per collective size "
+                             "(default 15, quick 3; large messages use fewer)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per timed repeat (default 5, quick 2)")
+    parser.add_argument("--models", default="large,small", help="comma list of: large, small")
+    parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
+                        help="comma list of: collectives, ddp, buckets, memory (or 1-4)")
+    parser.add_argument("--max-size", type=int, default=None, metavar="MIB",
+                        help="largest collective message in MiB (default 256, quick 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per rank (default 1 on CPU)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds before the whole bench is stopped (default 900)")
+    parser.add_argument("--json", dest="json_path", metavar="FILE", help="write every figure here")
+    parser.add_argument("--plot", dest="plot_path", metavar="FILE.png",
+                        help="draw bandwidth and step-time plots (needs matplotlib: ddpkit[plot])")
+    return parser
+
+
+def parse_args(argv: list[str]):
+    """Parse and validate ``argv`` into a ``BenchConfig``; raises SystemExit(2) on bad input."""
+    from ddpkit.bench.models import MODELS
+    from ddpkit.bench.runner import BenchConfig
+
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {args.nproc}.")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}.")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}.")
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"--models {args.models!r}: expected a comma list of {sorted(MODELS)}.")
+    tables = [t.strip() for t in args.tables.split(",") if t.strip()]
+    bad = [t for t in tables if t not in _TABLE_ALIASES]
+    if bad or not tables:
+        parser.error(f"--tables {args.tables!r}: expected a comma list of collectives, ddp, "
+                     "buckets, memory (or 1-4).")
+    if args.plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib, which is not installed. "
+                         "HINT: pip install 'ddpkit[plot]' (or matplotlib).")
+    if args.nproc < 2 and any(_TABLE_ALIASES[t] != "collectives" for t in tables):
+        print("ddpkit bench: note: with --nproc 1 there is no communication to measure.",
+              file=sys.stderr)
+    backend = args.backend or _default_backend()
+    on_cpu = backend == "gloo" or not _cuda()
+    return BenchConfig(
+        nproc=args.nproc, backend=backend, quick=args.quick,
+        repeats=args.repeats or (3 if args.quick else 15),
+        coll_repeats=args.repeats or (3 if args.quick else 20),
+        steps=args.steps or (2 if args.quick else 5), models=models,
+        tables=tuple(dict.fromkeys(_TABLE_ALIASES[t] for t in tables)),
+        max_bytes=args.max_size << 20 if args.max_size else None,
+        threads=args.threads or (1 if on_cpu else max(1, (os.cpu_count() or 1) // args.nproc)),
+        json_path=os.path.abspath(args.json_path) if args.json_path else None,
+        plot_path=os.path.abspath(args.plot_path) if args.plot_path else None,
+        timeout=args.timeout)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _default_backend() -> str:
+    import torch.distributed as dist
+
+    return "nccl" if _cuda() and dist.is_nccl_available() else "gloo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; returns 0 when every rank finished, 1 otherwise (2 for bad arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    if config.backend == "nccl" and _cuda():
+        import torch
+
+        if torch.cuda.device_count() < config.nproc:
+            print(f"ddpkit bench: --nproc {config.nproc} with nccl needs {config.nproc} GPUs, found "
+                  f"{torch.cuda.device_count()}. HINT: lower --nproc or use --backend gloo.",
+                  file=sys.stderr)
+            return 2
+    return _spawn(config)
+
+
+def _spawn(config) -> int:
+    """Start the ranks, wait for all of them, and stop them all as soon as one fails."""
+    import torch.distributed as dist
+
+    from ddpkit.bench.runner import rank_main
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    store = dist.TCPStore("127.0.0.1", 0, config.nproc, is_master=True, wait_for_workers=False)
+    procs = [context.Process(target=rank_main, args=(rank, config, store.port), name=f"rank{rank}")
+             for rank in range(config.nproc)]
+    deadline = time.monotonic() + config.timeout
+    failed = None
+    try:
+        for p in procs:
+            p.start()
+        while any(p.exitcode is None for p in procs):
+            failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
+            if failed is not None:
+                print(f"ddpkit bench: {failed.name} exited with code {failed.exitcode}; stopping "
+                      "the others.", file=sys.stderr)
+                break
+            if time.monotonic() > deadline:
+                print(f"ddpkit bench: stopped after --timeout {config.timeout:.0f} s.", file=sys.stderr)
+                failed = procs[0]
+                break
+            time.sleep(0.05)
+        failed = failed or next((p for p in procs if p.exitcode != 0), None)
+    except KeyboardInterrupt:
+        failed = procs[0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    return 0 if failed is None else 1

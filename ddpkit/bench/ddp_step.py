@@ -1,0 +1,192 @@
+"""DDP step time: local step, ddpkit's DDP, torch's DDP and the floor, in one run, interleaved.
+
+Every variant gets its own copy of the same model, the same per-rank batch and the same SGD step.
+Repeats go round-robin over the variants, so slow drift on a noisy machine (frequency scaling,
+a neighbour's job) lands on all of them alike. A repeat is ``steps`` consecutive training steps,
+reported per step; the figure for a repeat is the slowest rank's.
+
+The *floor* is what any data-parallel step must at least cost here: a local step plus one
+all-reduce of all gradients as one flat tensor (the grads are views into it, so nothing is copied).
+It is the mark to hold ddpkit against; overlap of communication with backward can beat it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddpkit.bench.models import build_model, make_batch
+from ddpkit.bench.report import Table, summarize
+
+__all__ = ["VARIANTS", "Stepper", "ddpkit_ddp_class", "make_ddp", "make_stepper",
+           "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
+
+VARIANTS = ("local", "ddpkit", "torch", "floor")
+_LR = 0.01
+
+
+class Stepper:
+    """One training step of a variant, callable; ``module`` is what it trains (the DDP wrapper)."""
+
+    def __init__(self, step: Callable[[], None], module: nn.Module):
+        self.step = step
+        self.module = module
+
+    def __call__(self) -> None:
+        self.step()
+
+
+def ddpkit_ddp_class() -> type | None:
+    """ddpkit's own DistributedDataParallel, or None while it is not part of this checkout."""
+    try:
+        from ddpkit.distributed import DistributedDataParallel
+    except ImportError:
+        return None
+    return DistributedDataParallel
+
+
+def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn.Module:
+    """Wrap ``model`` in ddpkit's (``kind="ddpkit"``) or torch's (``"torch"``) DDP."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    if kind == "torch":
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
+    if kind == "ddpkit":
+        cls = ddpkit_ddp_class()
+        if cls is None:
+            raise RuntimeError("ddpkit.distributed is not available in this checkout.")
+        return cls(model, device_ids=device_ids, **options)
+    raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                after_backward: Callable[[], None] | None = None) -> None:
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if after_backward is not None:
+        after_backward()
+    opt.step()
+
+
+def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Stepper:
+    """Local step + one flat all-reduce; grads are views of one buffer, zeroed in place."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params), device=params[0].device,
+                       dtype=params[0].dtype)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    world_size = dist.get_world_size()
+    opt = torch.optim.SGD(params, lr=_LR)
+
+    def reduce() -> None:
+        dist.all_reduce(flat)
+        flat.div_(world_size)
+
+    def step() -> None:
+        flat.zero_()
+        _train_step(model, opt, x, y, reduce)
+
+    return Stepper(step, model)
+
+
+def make_stepper(variant: str, model_name: str, quick: bool, device: torch.device,
+                 **ddp_options) -> Stepper | None:
+    """A no-argument function doing one training step of ``variant``; None if it is unavailable."""
+    rank = dist.get_rank()
+    x, y = make_batch(model_name, quick, device, rank)
+    model = build_model(model_name, quick, device)
+    if variant == "floor":
+        return _floor_stepper(model, x, y)
+    if variant in ("ddpkit", "torch"):
+        if variant == "ddpkit" and ddpkit_ddp_class() is None:
+            return None
+        model = make_ddp(variant, model, device, **ddp_options)
+    elif variant != "local":
+        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, x, y)
+
+    return Stepper(step, model)
+
+
+def time_interleaved(steppers: dict[str, Callable[[], None]], repeats: int, steps: int,
+                     warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per step for each stepper, ``repeats`` each, round-robin; max over ranks."""
+    names = list(steppers)
+    for name in names:
+        for _ in range(warmup):
+            steppers[name]()
+    times = torch.zeros(len(names), repeats, dtype=torch.float64)
+    for rep in range(repeats):
+        for i, name in enumerate(names):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                steppers[name]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[i, rep] = (time.perf_counter() - start) / steps
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: times[i].tolist() for i, name in enumerate(names)}
+
+
+def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
+                 device: torch.device) -> list[dict]:
+    """One row per (model, variant): step-time statistics in seconds; unavailable variants marked."""
+    rows = []
+    for model_name in model_names:
+        steppers = {v: make_stepper(v, model_name, quick, device) for v in VARIANTS}
+        available = {v: s for v, s in steppers.items() if s is not None}
+        timings = time_interleaved(available, repeats, steps, warmup=2, device=device)
+        for variant in VARIANTS:
+            row = {"model": model_name, "variant": variant, "available": variant in timings}
+            if variant in timings:
+                row.update(summarize(timings[variant]), times=timings[variant])
+            rows.append(row)
+    return rows
+
+
+def _ratio(rows: list[dict], model: str, a: str, b: str) -> float | None:
+    by = {r["variant"]: r for r in rows if r["model"] == model and r["available"]}
+    if a in by and b in by:
+        return by[a]["median"] / by[b]["median"]
+    return None
+
+
+def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict[str, str]) -> Table:
+    table = Table(f"2. DDP step time ({world_size} ranks; per step, {steps} steps per repeat, "
+                  "variants interleaved)",
+                  ["model", "variant", "median (ms)", "q1 (ms)", "q3 (ms)", "min (ms)", "max (ms)",
+                   "repeats"])
+    for r in rows:
+        if not r["available"]:
+            table.add(r["model"], r["variant"], "n/a", "-", "-", "-", "-", "0")
+            continue
+        table.add(r["model"], r["variant"], *(f"{r[k] * 1e3:.2f}" for k in
+                                                ("median", "q1", "q3", "min", "max")), r["n"])
+    for model in dict.fromkeys(r["model"] for r in rows):
+        parts = []
+        for a, b in (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor")):
+            ratio = _ratio(rows, model, a, b)
+            parts.append(f"{a}/{b} = {ratio:.3f}" if ratio is not None else f"{a}/{b} = n/a")
+        table.notes.append(f"{model} ({describe.get(model, '')}): " + ", ".join(parts))
+    if any(not r["available"] for r in rows):
+        table.notes.append("n/a: ddpkit.distributed is not available in this checkout.")
+    return table
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
+    """ddpkit/torch, ddpkit/floor and torch/floor median ratios per model (for the JSON)."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        out[model] = {f"{a}/{b}": _ratio(rows, model, a, b)
+                      for a, b in (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))}
+    return out

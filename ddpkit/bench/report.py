@@ -1,0 +1,78 @@
+"""Plain-text tables and the small statistics the bench reports (median, quartiles)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["Table", "fmt_bytes", "median", "quantile", "summarize"]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile with linear interpolation (numpy's default), without numpy."""
+    if not values:
+        raise ValueError("quantile of no values.")
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def median(values: Sequence[float]) -> float:
+    return quantile(values, 0.5)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of repeated timings."""
+    return {"median": median(values), "q1": quantile(values, 0.25), "q3": quantile(values, 0.75),
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, as message sizes are usually written: 4 KiB, 256 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Table:
+    """A titled table of strings, rendered with aligned columns (numbers right-aligned)."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells: Any) -> None:
+        if len(cells) != len(self.headers):
+            raise ValueError(f"row has {len(cells)} cells, table {self.title!r} has "
+                             f"{len(self.headers)} columns.")
+        self.rows.append([str(c) for c in cells])
+
+    def render(self) -> str:
+        widths = [max(len(h), *(len(r[i]) for r in self.rows)) if self.rows else len(h)
+                  for i, h in enumerate(self.headers)]
+        numeric = [all(_is_number(r[i]) for r in self.rows) and bool(self.rows)
+                   for i in range(len(self.headers))]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.rjust(w) if num else c.ljust(w)
+                             for c, w, num in zip(cells, widths, numeric)).rstrip()
+
+        out = [self.title, "=" * len(self.title), line(self.headers),
+               line(["-" * w for w in widths])]
+        out += [line(r) for r in self.rows]
+        out += [f"  {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def _is_number(text: str) -> bool:
+    head = text.split(" ")[0].rstrip("x%")
+    try:
+        float(head)
+    except ValueError:
+        return text in ("-", "n/a")
+    return True

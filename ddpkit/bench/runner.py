@@ -1,0 +1,134 @@
+"""The body of one bench rank: join the group, run the selected tables, and (rank 0) report them."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BenchConfig", "TABLES", "rank_main", "run_tables"]
+
+TABLES = ("collectives", "ddp", "buckets", "memory")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a rank needs to know; picklable, so it travels to spawned ranks."""
+
+    nproc: int = 2
+    backend: str = "gloo"
+    quick: bool = False
+    repeats: int = 15
+    coll_repeats: int = 20
+    steps: int = 5
+    models: tuple[str, ...] = ("large", "small")
+    tables: tuple[str, ...] = TABLES
+    max_bytes: int | None = None
+    threads: int = 1
+    json_path: str | None = None
+    plot_path: str | None = None
+    timeout: float = 600.0
+
+
+def _rank_env(rank: int, config: BenchConfig, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(config.nproc), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(config.nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(config.threads),
+        # the bench process hosts the store (on a port the OS picked); ranks only connect to it
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def rank_main(rank: int, config: BenchConfig, port: int) -> None:
+    """Entry point of a spawned rank; exits non-zero (after printing the traceback) on failure."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")):
+            del os.environ[name]
+    os.environ.update(_rank_env(rank, config, port))
+    torch.set_num_threads(config.threads)
+    import ddpkit
+
+    try:
+        env = ddpkit.init(backend=config.backend, timeout=timedelta(seconds=config.timeout))
+        results = run_tables(config, env.device)
+        if rank == 0:
+            _write_outputs(config, results)
+    except BaseException:
+        import traceback
+
+        sys.stderr.write(f"[ddpkit bench rank {rank}] " + traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # skip teardown: the other ranks may be stuck in a collective with us
+    ddpkit.shutdown()
+
+
+def _print(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text + "\n", flush=True)
+
+
+def run_tables(config: BenchConfig, device: torch.device) -> dict:
+    """Run the selected tables in order, printing each on rank 0 as soon as it is done."""
+    from ddpkit.bench import buckets, collectives, ddp_step, memory
+    from ddpkit.bench.models import get_spec
+
+    world_size = dist.get_world_size()
+    backend = dist.get_backend()
+    describe = {m: get_spec(m).describe(config.quick) for m in config.models}
+    results: dict = {"meta": _meta(config, world_size, backend, device, describe)}
+    _print(_header(results["meta"]))
+    if "collectives" in config.tables:
+        sizes = collectives.message_sizes(config.quick, config.max_bytes)
+        rows = collectives.run_collectives(sizes, config.coll_repeats, device)
+        results["collectives"] = rows
+        _print(collectives.collectives_table(rows, world_size, backend).render())
+    if "ddp" in config.tables:
+        rows = ddp_step.run_ddp_step(list(config.models), config.quick, config.repeats,
+                                     config.steps, device)
+        results["ddp_step"] = {"rows": rows, "ratios": ddp_step.ratios(rows)}
+        _print(ddp_step.ddp_step_table(rows, world_size, config.steps, describe).render())
+    if "buckets" in config.tables:
+        rows = buckets.run_buckets(list(config.models), config.quick, max(3, config.repeats // 2),
+                                   config.steps, device)
+        results["buckets"] = rows
+        _print(buckets.buckets_table(rows, world_size).render())
+    if "memory" in config.tables:
+        rows = memory.run_memory(list(config.models), config.quick, device)
+        results["memory"] = rows
+        _print(memory.memory_table(rows, world_size).render())
+    return results
+
+
+def _meta(config: BenchConfig, world_size: int, backend: str, device: torch.device,
+          describe: dict[str, str]) -> dict:
+    from ddpkit import __version__
+
+    return {"ddpkit": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "host": platform.node(), "cpus": os.cpu_count(), "world_size": world_size,
+            "backend": backend, "device": str(device), "threads_per_rank": torch.get_num_threads(),
+            "models": describe, "config": {k: v for k, v in asdict(config).items()
+                                           if k not in ("json_path", "plot_path")}}
+
+
+def _header(meta: dict) -> str:
+    return (f"ddpkit bench: {meta['world_size']} ranks, backend {meta['backend']}, device "
+            f"{meta['device']}, {meta['threads_per_rank']} thread(s) per rank, {meta['cpus']} CPUs; "
+            f"torch {meta['torch']}, ddpkit {meta['ddpkit']}")
+
+
+def _write_outputs(config: BenchConfig, results: dict) -> None:
+    if config.json_path:
+        with open(config.json_path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {config.json_path}", flush=True)
+    if config.plot_path:
+        from ddpkit.bench.plot import plot_results
+
+        plot_results(results, config.plot_path)
+        print(f"wrote {config.plot_path}", flush=True)

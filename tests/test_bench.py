@@ -1,0 +1,155 @@
+"""``ddpkit bench``: the smoke run prints every table and writes complete JSON; the formulas are right.
+
+Timings are never asserted (the machine is noisy); only that they exist and are positive.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.bench.cli import parse_args
+from ddpkit.bench.collectives import alg_bandwidth, bus_bandwidth, message_sizes, repeats_for
+from ddpkit.bench.report import Table, fmt_bytes, quantile, summarize
+
+TABLE_HEADERS = [
+    "1. Collectives",
+    "2. DDP step time",
+    "3. ddpkit DDP: bucket cap and comm hook",
+    "4. Gradient memory",
+]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``ddpkit bench --quick --json`` run shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("bench") / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    return proc, out
+
+
+def test_quick_run_exits_zero_and_prints_every_table(quick_run):
+    proc, _ = quick_run
+    assert proc.returncode == 0, proc.stderr
+    for header in TABLE_HEADERS:
+        assert header in proc.stdout, f"{header!r} missing from:\n{proc.stdout}"
+    assert "all_reduce" in proc.stdout and "broadcast" in proc.stdout and "all_gather" in proc.stdout
+    for variant in ("local", "ddpkit", "torch", "floor"):
+        assert variant in proc.stdout
+    # printed once, by rank 0 only
+    assert proc.stdout.count("1. Collectives") == 1
+
+
+def test_quick_run_writes_json_with_positive_figures(quick_run):
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data) >= {"meta", "collectives", "ddp_step", "buckets", "memory"}
+    assert data["meta"]["world_size"] == 2 and data["meta"]["backend"] == "gloo"
+
+    ops = {r["op"] for r in data["collectives"]}
+    assert ops == {"all_reduce", "broadcast", "all_gather"}
+    for r in data["collectives"]:
+        assert r["bytes"] > 0 and r["seconds"] > 0 and r["algbw"] > 0 and r["busbw"] > 0
+        assert math.isclose(r["algbw"], r["bytes"] / r["seconds"])
+
+    rows = data["ddp_step"]["rows"]
+    assert {(r["model"], r["variant"]) for r in rows} == {
+        (m, v) for m in ("large", "small") for v in ("local", "ddpkit", "torch", "floor")}
+    for r in rows:
+        if r["available"]:
+            assert 0 < r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
+    assert set(data["ddp_step"]["ratios"]) == {"large", "small"}
+
+    for r in data["buckets"]:
+        assert r["median"] > 0
+        if r["impl"] == "ddpkit":
+            assert r["allreduce_bytes"] > 0
+    for r in data["memory"]:
+        assert r["param_bytes"] > 0 and r["grad_bytes"] > 0 and r["accounted_bytes"] > 0
+        assert r["accounted_bytes"] <= r["grad_bytes"] + r["bucket_bytes"]
+
+
+def test_gradient_as_bucket_view_saves_the_grad_copy(quick_run):
+    _, out = quick_run
+    data = json.loads(out.read_text())
+    by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r for r in data["memory"]}
+    for (model, impl, view), r in by.items():
+        if view:
+            # grads alias the buckets: accounted bytes are one copy, not two
+            assert r["accounted_bytes"] < by[(model, impl, False)]["accounted_bytes"]
+
+
+@pytest.mark.parametrize("op, world_size, expected_busbw", [
+    # hand-computed: algbw = 1 GB/s
+    ("all_reduce", 2, 1.0e9),      # 2(2-1)/2 = 1
+    ("all_reduce", 4, 1.5e9),      # 2(4-1)/4 = 1.5
+    ("all_reduce", 8, 1.75e9),     # 2(8-1)/8 = 1.75
+    ("all_gather", 2, 0.5e9),      # (2-1)/2
+    ("all_gather", 8, 0.875e9),    # (8-1)/8
+    ("broadcast", 8, 1.0e9),
+    ("all_reduce", 1, 0.0),        # a world of one moves nothing
+])
+def test_bus_bandwidth_follows_nccl_tests(op, world_size, expected_busbw):
+    assert math.isclose(bus_bandwidth(op, 1.0e9, world_size), expected_busbw, abs_tol=1e-6)
+
+
+def test_alg_bandwidth_is_bytes_over_seconds():
+    assert alg_bandwidth(256 << 20, 0.5) == 2 * (256 << 20)
+    assert math.isclose(alg_bandwidth(4096, 1e-4), 40.96e6)
+    with pytest.raises(ValueError, match="seconds must be positive"):
+        alg_bandwidth(4096, 0.0)
+
+
+def test_bandwidth_rejects_unknown_op_and_world():
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        bus_bandwidth("reduce_scatter", 1.0, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        bus_bandwidth("all_reduce", 1.0, 0)
+
+
+def test_message_sizes_are_powers_of_four_from_4kib():
+    assert message_sizes(quick=False) == [4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20,
+                                          64 << 20, 256 << 20]
+    assert message_sizes(quick=True)[-1] == 1 << 20
+    assert message_sizes(quick=False, max_bytes=64 << 20)[-1] == 64 << 20
+
+
+def test_large_messages_get_fewer_repeats_but_never_below_three():
+    assert repeats_for(4096, 20) == 20
+    assert repeats_for(256 << 20, 20) == 4
+    assert repeats_for(1 << 40, 20) == 3
+
+
+def test_statistics_and_formatting():
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+    s = summarize([5.0, 1.0, 3.0])
+    assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 3.0, 5.0, 3)
+    assert fmt_bytes(4096) == "4 KiB" and fmt_bytes(256 << 20) == "256 MiB"
+    table = Table("T", ["a", "b"])
+    table.add("x", "1.5")
+    assert table.render().splitlines()[2].split() == ["a", "b"]
+    with pytest.raises(ValueError, match="row has 1 cells"):
+        table.add("only one")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "huge"], "--models"),
+    (["--tables", "nope"], "--tables"),
+    (["--nproc", "0"], "--nproc"),
+])
+def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_table_numbers_select_tables():
+    config = parse_args(["--tables", "1,ddp", "--quick"])
+    assert config.tables == ("collectives", "ddp")
+    assert config.repeats == 3 and config.steps == 2
