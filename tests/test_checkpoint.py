@@ -1,0 +1,202 @@
+"""ddpkit.save / load: atomic on the main process, survive a killed writer; prefixes; RNG state."""
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.checkpoint import (
+    capture_rng_state,
+    latest_checkpoint,
+    load_state_dict,
+    restore_rng_state,
+    unwrap_model,
+    unwrap_state_dict,
+    wrap_state_dict,
+)
+from ranks import kill_tree, run_ranks
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+class Wrapper(nn.Module):
+    """Stands in for DDP / DataParallel: the wrapped model under the attribute ``module``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+
+def _save_then_load(path: str) -> int:
+    ddpkit.save({"rank": ddpkit.get_rank()}, path)
+    return ddpkit.load(path)["rank"]  # must already be complete on every rank
+
+
+# ------------------------------------------------------------------------------------------------
+# save / load
+
+
+@pytest.mark.timeout(10)
+def test_save_then_load_round_trips_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "sub" / "ckpt.pt"
+    ddpkit.save({"w": torch.arange(3.0), "step": 7}, path)
+    loaded = ddpkit.load(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["w"], torch.arange(3.0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+
+
+@pytest.mark.timeout(10)
+def test_load_of_a_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope" / "step_10.pt"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*step_10\.pt.*does not exist"):
+        ddpkit.load(missing)
+
+
+@pytest.mark.timeout(10)
+def test_save_that_fails_keeps_the_previous_checkpoint_and_no_temporary(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    ddpkit.save({"version": 1}, path)
+    with pytest.raises(Exception):
+        ddpkit.save({"version": 2, "bad": lambda: None}, path)  # lambdas do not pickle
+    assert ddpkit.load(path) == {"version": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+@pytest.mark.timeout(10)
+def test_save_rejects_a_file_object():
+    with pytest.raises(TypeError, match="needs a path"):
+        ddpkit.save({}, object())
+
+
+@pytest.mark.timeout(60)
+def test_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    child = subprocess.Popen([sys.executable, str(SCRIPTS / "ckpt_killed_writer.py"), str(path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "writing\n"  # half of version 2 is on disk now
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        kill_tree(child.pid)
+        child.wait(timeout=10)
+        child.stdin.close()
+        child.stdout.close()
+    torn = [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]
+    assert len(torn) == 1 and torn[0].stat().st_size > 0  # the half-written temporary file
+    assert ddpkit.load(path)["version"] == 1
+    assert latest_checkpoint(tmp_path) == path
+
+
+@pytest.mark.timeout(60)
+def test_only_rank_0_writes_and_every_rank_reads_the_complete_file(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    assert run_ranks(_save_then_load, world_size=2, args=(path,)) == [0, 0]
+    assert ddpkit.load(path) == {"rank": 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# latest_checkpoint
+
+
+@pytest.mark.timeout(10)
+def test_latest_checkpoint_takes_the_highest_step_that_is_complete(tmp_path):
+    for step in (5, 10, 9):
+        ddpkit.save({"step": step}, tmp_path / f"step_{step}.pt")
+    whole = (tmp_path / "step_10.pt").read_bytes()
+    (tmp_path / "step_20.pt").write_bytes(whole[: len(whole) // 2])  # torn by a non-atomic writer
+    (tmp_path / ".step_30.pt.tmp-abc").write_bytes(whole)  # a temporary of ddpkit.save
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_10.pt"
+
+
+@pytest.mark.timeout(10)
+def test_latest_checkpoint_is_none_for_an_empty_or_missing_directory(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+# ------------------------------------------------------------------------------------------------
+# the "module." prefix
+
+
+@pytest.mark.timeout(10)
+def test_unwrap_and_wrap_round_trip_keys_values_and_metadata():
+    wrapped = Wrapper(_model()).state_dict()
+    plain = unwrap_state_dict(wrapped)
+    assert list(plain) == list(_model().state_dict())
+    assert plain._metadata["1"] == wrapped._metadata["module.1"]  # BatchNorm's version survives
+    again = wrap_state_dict(plain)
+    assert list(again) == list(wrapped)
+    assert all(torch.equal(again[k], wrapped[k]) for k in wrapped)
+
+
+@pytest.mark.timeout(10)
+def test_unwrap_and_wrap_refuse_dicts_that_are_not_what_they_expect():
+    with pytest.raises(ValueError, match=r"1 of 2 keys do not start with 'module.'"):
+        unwrap_state_dict(OrderedDict([("module.a", 1), ("b", 2)]))
+    with pytest.raises(ValueError, match="already start with 'module.'"):
+        wrap_state_dict(OrderedDict([("module.a", 1), ("b", 2)]))
+
+
+@pytest.mark.timeout(10)
+def test_load_state_dict_moves_weights_between_wrapped_and_plain_models():
+    source = _model()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    plain, wrapped = _model(), Wrapper(_model())
+    load_state_dict(plain, Wrapper(source).state_dict())     # wrapped -> plain: prefix removed
+    load_state_dict(wrapped, source.state_dict())             # plain -> wrapped: prefix added
+    load_state_dict(Wrapper(_model()), wrapped.state_dict())  # same shape: as is
+    for model in (plain, wrapped.module):
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     source.state_dict().values()))
+
+
+@pytest.mark.timeout(10)
+def test_load_state_dict_raises_on_a_mismatch_instead_of_guessing():
+    other = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(RuntimeError, match=r"does not fit Sequential .*Closest, with 'module.' removed: 7 of the model's keys are missing, e.g. \['1.weight'"):
+        load_state_dict(_model(), Wrapper(other).state_dict())
+    result = load_state_dict(_model(), Wrapper(other).state_dict(), strict=False)
+    assert "1.weight" in result.missing_keys and not result.unexpected_keys
+
+
+@pytest.mark.timeout(10)
+def test_unwrap_model_reaches_the_module_inside_torch_data_parallel():
+    inner = _model()
+    assert unwrap_model(nn.DataParallel(inner)) is inner
+    assert unwrap_model(inner) is inner
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG state
+
+
+def _draw() -> tuple:
+    return torch.rand(3), random.random(), float(numpy.random.rand())
+
+
+@pytest.mark.timeout(10)
+def test_rng_state_survives_a_checkpoint_and_replays_the_same_draws(tmp_path):
+    state = capture_rng_state()
+    expected = _draw()
+    ddpkit.save({"rng": state}, tmp_path / "rng.pt")
+    _draw()
+    restore_rng_state(ddpkit.load(tmp_path / "rng.pt")["rng"])  # torch's weights_only=True suffices
+    again = _draw()
+    assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
