@@ -1,0 +1,169 @@
+"""scatter / scatter_kwargs / gather: split nested inputs over devices and join the outputs back.
+
+Tensors are chunked exactly like ``torch.chunk`` (so a batch of 10 over 8 devices gives five chunks of 2
+and only five replicas run, as in torch); tuples, lists, dicts, namedtuples and dataclasses are recursed
+into; any other object is passed by reference to every device. Unlike torch, ``scatter`` always returns
+a tuple with one item per device (torch returns a tuple for a lone tensor and a list otherwise).
+Both directions are differentiable: gradients flow from the chunks back to the input, and from the
+gathered output back to every replica's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddpkit._devices import DeviceLike, as_device, as_devices
+
+__all__ = ["scatter", "scatter_kwargs", "gather"]
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _init_fields(obj: Any) -> list[str]:
+    # only init fields can be passed to dataclasses.replace; the others are derived in __post_init__
+    return [f.name for f in dataclasses.fields(obj) if f.init]
+
+
+def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
+    if t.dim() == 0:
+        raise ValueError(
+            f"cannot {action} a 0-dim tensor along dim={dim}: expected at least 1 dimension, "
+            f"found shape {tuple(t.shape)}. HINT: give the tensor a batch dimension, e.g. t.unsqueeze(0)."
+        )
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(
+            f"cannot {action} along dim={dim}: expected dim in [{-t.dim()}, {t.dim()}) for a tensor of "
+            f"shape {tuple(t.shape)}. HINT: pass dim= the batch dimension of every tensor input."
+        )
+
+
+def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> list[torch.Tensor]:
+    _check_dim(t, dim, "scatter")
+    # chunk gives differentiable views; .to is a no-op on the same device and a differentiable copy across
+    return [chunk.to(device) for chunk, device in zip(t.chunk(len(devices), dim), devices)]
+
+
+def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
+    """One item per device (fewer when a tensor has fewer rows than devices)."""
+    if isinstance(obj, torch.Tensor):
+        return _scatter_tensor(obj, devices, dim)
+    if _is_namedtuple(obj) and len(obj) > 0:
+        return [type(obj)(*items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+    if isinstance(obj, tuple) and len(obj) > 0:
+        return [tuple(items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+    if isinstance(obj, list) and len(obj) > 0:
+        return [list(items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+    if isinstance(obj, dict) and len(obj) > 0:
+        keys = list(obj)
+        per_device = zip(*(_scatter_map(obj[k], devices, dim) for k in keys))
+        return [type(obj)(zip(keys, values)) for values in per_device]
+    if _is_dataclass_instance(obj):
+        names = _init_fields(obj)
+        if names:
+            per_device = zip(*(_scatter_map(getattr(obj, n), devices, dim) for n in names))
+            return [dataclasses.replace(obj, **dict(zip(names, values))) for values in per_device]
+    return [obj for _ in devices]
+
+
+def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
+    devices = as_devices(target_devices, what="target_devices")
+    if not devices:
+        raise ValueError(
+            "target_devices is empty: expected at least one device. HINT: pass e.g. ['cpu', 'cpu'] or [0, 1]."
+        )
+    return devices
+
+
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
+    """Split ``inputs`` into one piece per device, chunking tensors along ``dim`` like torch.chunk.
+
+    Returns:
+        A tuple with one item per used device, each of the same type as ``inputs``.
+
+    Example:
+        >>> scatter(torch.zeros(30, 5), ["cpu"] * 8)[-1].shape
+        torch.Size([2, 5])
+    """
+    return tuple(_scatter_map(inputs, _target_devices(target_devices), dim))
+
+
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_devices: Sequence[DeviceLike],
+    dim: int = 0,
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """Scatter positional and keyword inputs; the shorter side is padded with () or {} as torch does."""
+    devices = _target_devices(target_devices)
+    scattered_inputs = [tuple(x) for x in _scatter_map(tuple(inputs), devices, dim)] if inputs else []
+    scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(scattered_inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: int) -> torch.Tensor:
+    if all(t.dim() == 0 for t in outputs) and dim == 0:
+        warnings.warn(
+            "Was asked to gather along dimension 0, but all input tensors were scalars; "
+            "will instead unsqueeze and return a vector.",
+            stacklevel=4,
+        )
+        outputs = [t.view(1) for t in outputs]
+    for t in outputs:
+        _check_dim(t, dim, "gather")
+    # .to and cat are both differentiable, so backward splits the gradient back to every replica
+    return torch.cat([t.to(target) for t in outputs], dim)
+
+
+def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        return _gather_tensors(outputs, target, dim)
+    if out is None:
+        return None
+    if isinstance(out, dict):
+        if not all(isinstance(d, dict) and d.keys() == out.keys() for d in outputs):
+            found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in outputs]
+            raise ValueError(f"all replicas must return dicts with the same keys, but found {found}")
+        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+    if _is_namedtuple(out):
+        return type(out)._make(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
+    if _is_dataclass_instance(out):
+        names = _init_fields(out)
+        gathered = {n: _gather_map([getattr(o, n) for o in outputs], target, dim) for n in names}
+        return dataclasses.replace(out, **gathered)
+    raise TypeError(
+        f"cannot gather replica outputs of type {type(out).__name__}: expected tensors, None, or "
+        "tuples, lists, dicts, namedtuples or dataclasses of them. "
+        "HINT: return such values from forward, or wrap other values in a tensor."
+    )
+
+
+def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
+    """Join per-replica outputs on ``target_device`` along ``dim``; the inverse of scatter.
+
+    ``target_device`` may be an int (CUDA index; -1 means the CPU, as in torch), a str or a
+    torch.device. 0-dim outputs become a vector with one entry per replica, with torch's warning.
+    """
+    if len(outputs) == 0:
+        raise ValueError("outputs is empty: expected one output per replica, found none.")
+    if isinstance(target_device, int) and not isinstance(target_device, bool) and target_device == -1:
+        target = torch.device("cpu")
+    else:
+        target = as_device(target_device, what="target_device")
+    return _gather_map(outputs, target, dim)
