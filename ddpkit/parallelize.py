@@ -1,0 +1,170 @@
+"""``ddpkit.parallelize(model)``: the one call that makes a script data-parallel wherever it runs.
+
+    ddpkit.init()
+    model = ddpkit.parallelize(model)          # same line under python, ddpkit run, torchrun, srun
+
+* a world larger than one (launched with several processes): ``DistributedDataParallel`` on this
+  process's device, ``device_ids=[local_rank]`` on CUDA;
+* one process, ``devices=[...]`` given (``["cpu", "cpu"]``, ``[0, 1]``): ``DataParallel`` over them;
+* one process and several visible GPUs: ``DataParallel`` over all of them;
+* one process and one GPU: the model on ``cuda:0``; no GPU: the model itself.
+
+Options are DistributedDataParallel's and DataParallel's keyword arguments, plus ``devices``. An
+option that the chosen wrapper does not take but the other one does is ignored, so one script runs
+everywhere: ``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``, ... do nothing in a
+single process, and ``devices`` does nothing under a launcher (each process has its one device). An
+option neither takes is a TypeError, on every path, so a typo fails in the quick single-process run.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.env import detect
+from ddpkit.process_group import current_env, get_local_rank
+
+__all__ = ["parallelize", "local_devices"]
+
+# The contract's signatures (API.md), used when a wrapper's module is not importable to be inspected.
+_DDP_OPTIONS = ("device_ids", "output_device", "dim", "broadcast_buffers", "process_group",
+                "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph")
+_DP_OPTIONS = ("device_ids", "output_device", "dim")
+# chosen by parallelize itself: device_ids follows from the rank (DDP) or from devices= (DataParallel)
+_CHOSEN_HERE = ("module", "device_ids")
+
+
+def parallelize(module: nn.Module, **options: Any) -> nn.Module:
+    """Wrap ``module`` for data parallelism as this process's launch calls for (see the module doc).
+
+    Call it after ``ddpkit.init()``. Create the optimizer from the returned module's parameters.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or an option no wrapper takes (the message
+            lists the options valid here).
+        RuntimeError: launched with several processes but ``ddpkit.init()`` was not called.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}.")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _distributed(module, options)
+    if not (dist.is_available() and dist.is_initialized()):
+        launched = detect(os.environ)
+        if launched.world_size > 1:
+            raise RuntimeError(
+                f"this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
+                f"(launcher: {launched.launcher}), but no process group exists, so parallelize "
+                "cannot make it DistributedDataParallel. HINT: call ddpkit.init() first.")
+    return _single_process(module, options)
+
+
+def local_devices(devices: Sequence[Any] | None, cuda_count: int) -> list[torch.device] | None:
+    """The devices a single process spreads a batch over, or None for "the module as it is".
+
+    ``devices`` named by the user win; else every GPU when there are several; else None.
+    """
+    if devices is not None:
+        if isinstance(devices, (str, int, torch.device)) or len(devices) == 0:
+            raise ValueError(f"devices={devices!r} must be a non-empty list, e.g. ['cpu', 'cpu'] or [0, 1].")
+        return [_as_device(d) for d in devices]
+    if cuda_count > 1:
+        return [torch.device("cuda", i) for i in range(cuda_count)]
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
+    from ddpkit.distributed import DistributedDataParallel
+
+    ddp_options = _accepted(DistributedDataParallel, _DDP_OPTIONS)
+    _check_options(options, "DistributedDataParallel", ddp_options)
+    env = current_env()
+    if env is not None and env.device is not None:
+        device = env.device
+    elif dist.get_backend() == "nccl":
+        device = torch.device("cuda", get_local_rank())
+    else:
+        device = torch.device("cpu")
+    module = module.to(device)
+    device_ids = [device.index] if device.type == "cuda" else None
+    kwargs = {k: v for k, v in options.items() if k in ddp_options}
+    return DistributedDataParallel(module, device_ids=device_ids, **kwargs)
+
+
+def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
+    dp_class = _data_parallel_class()
+    dp_options = _accepted(dp_class, _DP_OPTIONS) if dp_class is not None else set(_DP_OPTIONS) - set(_CHOSEN_HERE)
+    _check_options(options, "a single process (DataParallel)", dp_options | {"devices"})
+    devices = local_devices(options.get("devices"), torch.cuda.device_count())
+    if devices is None:
+        return module.to("cuda:0") if torch.cuda.device_count() == 1 else module
+    if dp_class is None:
+        raise RuntimeError("parallelize needs ddpkit.DataParallel for devices=..., and "
+                           "ddpkit.data_parallel is not importable in this installation.")
+    kwargs = {k: v for k, v in options.items() if k in dp_options}
+    # DataParallel keeps the master copy on the first device and broadcasts it from there
+    return dp_class(module.to(devices[0]), device_ids=devices, **kwargs)
+
+
+def _check_options(options: dict[str, Any], wrapper: str, valid_here: set[str]) -> None:
+    """Reject options no wrapper takes; the rest are used by ``wrapper`` or ignored on this path."""
+    known = _all_options()
+    for name in options:
+        if name == "device_ids":
+            raise TypeError(
+                "parallelize chooses device_ids itself ([local_rank] for DistributedDataParallel). "
+                "HINT: to spread a single process over several devices pass devices=[...], "
+                "e.g. devices=['cpu', 'cpu'] or devices=[0, 1].")
+        if name not in known:
+            listed, ignored = ", ".join(sorted(valid_here)), ", ".join(sorted(known - valid_here))
+            raise TypeError(
+                f"parallelize() got an unexpected option {name!r}. Valid for {wrapper}, which this "
+                f"process runs as: {listed}. Accepted but ignored here: {ignored}.")
+
+
+def _all_options() -> set[str]:
+    names = set(_DDP_OPTIONS) | set(_DP_OPTIONS) | {"devices"}
+    try:
+        from ddpkit.distributed import DistributedDataParallel
+
+        names |= _accepted(DistributedDataParallel, ())
+    except ImportError:  # not built in this checkout: the contract's names stand in
+        pass
+    dp_class = _data_parallel_class()
+    if dp_class is not None:
+        names |= _accepted(dp_class, ())
+    return names - set(_CHOSEN_HERE)
+
+
+def _accepted(cls: type, fallback: Sequence[str]) -> set[str]:
+    """The keyword arguments ``cls(module, ...)`` takes, read from its signature."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return set(fallback) - set(_CHOSEN_HERE)
+    return {p.name for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - set(_CHOSEN_HERE)
+
+
+def _data_parallel_class() -> type | None:
+    try:
+        from ddpkit.data_parallel import DataParallel
+    except ImportError:
+        return None
+    return DataParallel
+
+
+def _as_device(device: Any) -> torch.device:
+    if isinstance(device, bool):
+        raise TypeError(f"{device!r} is not a device: use an int (CUDA index), a str or a torch.device.")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device)
+    raise TypeError(f"{device!r} is not a device: use an int (CUDA index), a str or a torch.device.")

@@ -1,0 +1,105 @@
+"""ddpkit.parallelize picks DDP, DataParallel or the model itself from how the process was launched."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.parallelize import local_devices, parallelize
+from ranks import run_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _parallelize_and_step() -> dict:
+    """One SGD step on rank-specific data; DDP must leave identical parameters on every rank."""
+    torch.manual_seed(ddpkit.get_rank())  # different initial weights: DDP must broadcast rank 0's
+    model = parallelize(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                               bucket_cap_mb=1, devices=["cpu", "cpu"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.full((3, 4), float(ddpkit.get_rank() + 1))
+    model(x).square().sum().backward()
+    optimizer.step()
+    return {"type": type(model).__name__, "is_ddpkit": isinstance(model, ddpkit.DistributedDataParallel),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.timeout(10)
+def test_single_process_without_gpus_returns_the_module_itself_and_ignores_ddp_options():
+    assert torch.cuda.device_count() == 0
+    model = _model()
+    assert parallelize(model) is model
+    assert parallelize(model, bucket_cap_mb=1, find_unused_parameters=True,
+                              broadcast_buffers=False, static_graph=True) is model
+
+
+@pytest.mark.timeout(10)
+def test_world_of_one_after_init_is_still_the_single_process_path():
+    try:
+        ddpkit.init()
+        model = _model()
+        assert parallelize(model, bucket_cap_mb=1) is model
+    finally:
+        ddpkit.shutdown()
+
+
+@pytest.mark.timeout(10)
+def test_unknown_option_is_a_type_error_naming_it_and_the_valid_ones():
+    with pytest.raises(TypeError, match=r"unexpected option 'bucket_cap_mbb'\. Valid for a single "
+                                        r"process \(DataParallel\), .*: devices, dim, output_device\. "
+                                        r"Accepted but ignored here: .*bucket_cap_mb"):
+        parallelize(_model(), bucket_cap_mbb=1)
+
+
+@pytest.mark.timeout(10)
+def test_device_ids_is_refused_with_a_pointer_to_devices():
+    with pytest.raises(TypeError, match=r"chooses device_ids itself.*devices=\['cpu', 'cpu'\]"):
+        parallelize(_model(), device_ids=[0])
+
+
+@pytest.mark.timeout(10)
+def test_launched_with_several_ranks_but_no_init_says_to_call_init(monkeypatch):
+    assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(RuntimeError, match=r"rank 1 of WORLD_SIZE=2 .*call ddpkit.init\(\) first"):
+        parallelize(_model())
+
+
+@pytest.mark.timeout(10)
+def test_local_devices_prefers_named_devices_then_all_gpus_then_none():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert local_devices(["cpu", 1], cuda_count=0) == [cpu, cuda]
+    assert local_devices(None, cuda_count=3) == [torch.device("cuda", i) for i in range(3)]
+    assert local_devices(None, cuda_count=1) is None
+    assert local_devices(None, cuda_count=0) is None
+    with pytest.raises(ValueError, match="non-empty list"):
+        local_devices([], cuda_count=0)
+    with pytest.raises(TypeError, match="is not a device"):
+        local_devices([1.5], cuda_count=0)
+
+
+@pytest.mark.timeout(30)
+def test_devices_on_cpu_gives_data_parallel_with_the_module_output():
+    pytest.importorskip("ddpkit.data_parallel")
+    model = _model()
+    wrapped = parallelize(model, devices=["cpu", "cpu"], bucket_cap_mb=1)
+    assert isinstance(wrapped, ddpkit.DataParallel) and wrapped.module is model
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(wrapped(x), model(x))
+
+
+@pytest.mark.timeout(60)
+def test_two_ranks_get_ddpkit_ddp_and_stay_in_sync():
+    pytest.importorskip("ddpkit.distributed")
+    results = run_ranks(_parallelize_and_step, world_size=2)
+    assert all(r["is_ddpkit"] for r in results), [r["type"] for r in results]
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
