@@ -19,7 +19,7 @@ __all__ = ["main", "parse_args"]
 
 _TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
                   "collectives": "collectives", "ddp": "ddp", "step": "ddp", "buckets": "buckets",
-                  "hooks": "buckets", "memory": "memory"}
+                  "hooks": "buckets", "memory": "memory", "5": "profile", "profile": "profile"}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="ddpkit bench",
         description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
                     "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
-                    "cap and comm hooks), 4 memory.")
+                    "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile).")
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
     parser.add_argument("--backend", default=None,
                         help="process-group backend (default nccl with CUDA, else gloo)")
@@ -39,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="training steps per timed repeat (default 5, quick 2)")
     parser.add_argument("--models", default="large,small", help="comma list of: large, small")
     parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
-                        help="comma list of: collectives, ddp, buckets, memory (or 1-4)")
+                        help="comma list of: collectives, ddp, buckets, memory, profile (or 1-5); "
+                             "default all but profile")
     parser.add_argument("--max-size", type=int, default=None, metavar="MIB",
                         help="largest collective message in MiB (default 256, quick 1)")
     parser.add_argument("--threads", type=int, default=None,
@@ -73,7 +74,7 @@ def parse_args(argv: list[str]):
     bad = [t for t in tables if t not in _TABLE_ALIASES]
     if bad or not tables:
         parser.error(f"--tables {args.tables!r}: expected a comma list of collectives, ddp, "
-                     "buckets, memory (or 1-4).")
+                     "buckets, memory, profile (or 1-5).")
     if args.plot_path:
         try:
             import matplotlib  # noqa: F401

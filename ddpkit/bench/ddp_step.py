@@ -12,7 +12,7 @@ It is the mark to hold ddpkit against; overlap of communication with backward ca
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,14 +30,31 @@ _LR = 0.01
 
 
 class Stepper:
-    """One training step of a variant, callable; ``module`` is what it trains (the DDP wrapper)."""
+    """One training step of a variant, as named phases (so they can be timed one by one).
 
-    def __init__(self, step: Callable[[], None], module: nn.Module):
-        self.step = step
-        self.module = module
+    ``module`` is what is trained (the DDP wrapper for the DDP variants); ``zero`` clears the grads
+    and ``after_backward`` is the floor's explicit all-reduce.
+    """
+
+    def __init__(self, module: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor, zero: Callable[[], None],
+                 after_backward: Callable[[], None] | None = None):
+        self.module, self.opt, self.x, self.y = module, opt, x, y
+        self.zero = zero
+        self.after_backward = after_backward
+
+    def forward(self) -> torch.Tensor:
+        return F.mse_loss(self.module(self.x), self.y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.after_backward is not None:
+            self.after_backward()
 
     def __call__(self) -> None:
-        self.step()
+        self.zero()
+        self.backward(self.forward())
+        self.opt.step()
 
 
 def ddpkit_ddp_class() -> type | None:
@@ -62,15 +79,6 @@ def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn
     raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                after_backward: Callable[[], None] | None = None) -> None:
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    if after_backward is not None:
-        after_backward()
-    opt.step()
-
-
 def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Stepper:
     """Local step + one flat all-reduce; grads are views of one buffer, zeroed in place."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -87,16 +95,12 @@ def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Steppe
         dist.all_reduce(flat)
         flat.div_(world_size)
 
-    def step() -> None:
-        flat.zero_()
-        _train_step(model, opt, x, y, reduce)
-
-    return Stepper(step, model)
+    return Stepper(model, opt, x, y, zero=flat.zero_, after_backward=reduce)
 
 
 def make_stepper(variant: str, model_name: str, quick: bool, device: torch.device,
                  **ddp_options) -> Stepper | None:
-    """A no-argument function doing one training step of ``variant``; None if it is unavailable."""
+    """One training step of ``variant`` on a fresh copy of the model; None if it is unavailable."""
     rank = dist.get_rank()
     x, y = make_batch(model_name, quick, device, rank)
     model = build_model(model_name, quick, device)
@@ -109,16 +113,11 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
     elif variant != "local":
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
     opt = torch.optim.SGD(model.parameters(), lr=_LR)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        _train_step(model, opt, x, y)
-
-    return Stepper(step, model)
+    return Stepper(model, opt, x, y, zero=lambda: opt.zero_grad(set_to_none=True))
 
 
-def time_interleaved(steppers: dict[str, Callable[[], None]], repeats: int, steps: int,
-                     warmup: int, device: torch.device) -> dict[str, list[float]]:
+def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, steps: int,
+                     warmup: int, device: torch.device) -> dict[Any, list[float]]:
     """Seconds per step for each stepper, ``repeats`` each, round-robin; max over ranks."""
     names = list(steppers)
     for name in names:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 __all__ = ["BenchConfig", "TABLES", "rank_main", "run_tables"]
 
 TABLES = ("collectives", "ddp", "buckets", "memory")
+"""The default tables; ``profile`` (phase times and cProfile) runs only when asked for."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,13 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
         rows = memory.run_memory(list(config.models), config.quick, device)
         results["memory"] = rows
         _print(memory.memory_table(rows, world_size).render())
+    if "profile" in config.tables:
+        from ddpkit.bench import profile
+
+        result = profile.run_profile(list(config.models), config.quick,
+                                     config.repeats * config.steps, device)
+        results["profile"] = result
+        _print(profile.profile_table(result, world_size))
     return results
 
 
