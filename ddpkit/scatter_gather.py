@@ -128,6 +128,13 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
     return torch.cat([t.to(target) for t in outputs], dim)
 
 
+def _same_everywhere(outputs: Sequence[Any]) -> bool:
+    try:
+        return all(o is outputs[0] or bool(o == outputs[0]) for o in outputs[1:])
+    except Exception:  # noqa: BLE001 - == may be undefined or ambiguous for arbitrary objects
+        return False
+
+
 def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
     out = outputs[0]
     if isinstance(out, torch.Tensor):
@@ -147,10 +154,12 @@ def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
         names = _init_fields(out)
         gathered = {n: _gather_map([getattr(o, n) for o in outputs], target, dim) for n in names}
         return dataclasses.replace(out, **gathered)
+    if _same_everywhere(outputs):
+        return out  # what scatter passed by reference comes back as it went
     raise TypeError(
-        f"cannot gather replica outputs of type {type(out).__name__}: expected tensors, None, or "
-        "tuples, lists, dicts, namedtuples or dataclasses of them. "
-        "HINT: return such values from forward, or wrap other values in a tensor."
+        f"cannot gather replica outputs of type {type(out).__name__} that differ between replicas "
+        f"(found {list(outputs)!r:.200}): expected tensors, None, or tuples, lists, dicts, namedtuples "
+        "or dataclasses of them. HINT: return such values from forward, or wrap them in a tensor."
     )
 
 
