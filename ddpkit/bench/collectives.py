@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench.report import Table, fmt_bytes, median
+from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["OPS", "alg_bandwidth", "bus_bandwidth", "message_sizes", "repeats_for", "run_collectives",
            "collectives_table"]
@@ -75,28 +76,22 @@ def _make_op(op: str, nbytes: int, device: torch.device, world_size: int) -> Cal
     raise ValueError(f"op={op!r} is not one of {OPS}.")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_collective(op: str, nbytes: int, repeats: int, warmup: int, device: torch.device) -> float:
     """Median seconds of one collective over ``repeats``; each repeat is the slowest rank's time."""
     world_size = dist.get_world_size()
     run = _make_op(op, nbytes, device, world_size)
     for _ in range(warmup):
         run()
-    _sync(device)
+    synchronize(device)
     times = torch.zeros(repeats, dtype=torch.float64)
     for i in range(repeats):
-        dist.barrier()
+        barrier(device)
         start = time.perf_counter()
         run()
-        _sync(device)
+        synchronize(device)
         times[i] = time.perf_counter() - start
     # a collective is done when its slowest rank is: take the max over ranks, repeat by repeat
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return median(times.tolist())
+    return median(max_over_ranks(times, device).tolist())
 
 
 def run_collectives(sizes: list[int], repeats: int, device: torch.device,

@@ -21,6 +21,7 @@ from torch import nn
 
 from ddpkit.bench.models import build_model, make_batch
 from ddpkit.bench.report import Table, summarize
+from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["VARIANTS", "Stepper", "ddpkit_ddp_class", "make_ddp", "make_stepper",
            "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
@@ -126,14 +127,13 @@ def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, step
     times = torch.zeros(len(names), repeats, dtype=torch.float64)
     for rep in range(repeats):
         for i, name in enumerate(names):
-            dist.barrier()
+            barrier(device)
             start = time.perf_counter()
             for _ in range(steps):
                 steppers[name]()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times[i, rep] = (time.perf_counter() - start) / steps
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = max_over_ranks(times, device)
     return {name: times[i].tolist() for i, name in enumerate(names)}
 
 

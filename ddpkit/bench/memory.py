@@ -13,15 +13,14 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
-import time
 from typing import Callable
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from ddpkit.bench.ddp_step import ddpkit_ddp_class, make_stepper
 from ddpkit.bench.report import Table, fmt_bytes
+from ddpkit.bench.sync import max_over_ranks
 
 __all__ = ["run_memory", "memory_table", "PeakSampler"]
 
@@ -114,8 +113,7 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
                 storage = p.grad.untyped_storage()
                 grads[storage.data_ptr()] = storage.nbytes()
     # the peak is per rank; report the largest
-    peak = torch.tensor([sampler.delta], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = max_over_ranks([sampler.delta], device)
     del step, params
     return {"model": model, "impl": kind, "gradient_as_bucket_view": view,
             "param_bytes": param_bytes,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ddpkit.bench.ddp_step import VARIANTS, Stepper, make_stepper
 from ddpkit.bench.report import Table, median
+from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["PHASES", "time_phases", "cprofile_text", "run_profile", "profile_table"]
 
@@ -28,12 +29,11 @@ def time_phases(step: Stepper, steps: int, device: torch.device) -> dict[str, li
     out: dict[str, list[float]] = {p: [] for p in PHASES}
 
     def mark() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return time.perf_counter()
 
     for _ in range(steps):
-        dist.barrier()
+        barrier(device)
         t0 = mark()
         step.zero()
         t1 = mark()
@@ -75,14 +75,13 @@ def run_profile(model_names: list[str], quick: bool, steps: int, device: torch.d
             for _ in range(2):
                 step()
             phases = time_phases(step, steps, device)
-            medians = torch.tensor([median(phases[p]) for p in PHASES], dtype=torch.float64)
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            medians = max_over_ranks([median(phases[p]) for p in PHASES], device)
             rows.append({"model": model, "variant": variant,
                          **{p: float(m) for p, m in zip(PHASES, medians)}})
         for variant in ("ddpkit", "torch"):
             if steppers[variant] is None:
                 continue
-            dist.barrier()
+            barrier(device)
             if dist.get_rank() == 0:
                 listings[f"{model}/{variant}"] = cprofile_text(steppers[variant], steps)
             else:
