@@ -54,7 +54,8 @@ _TMP_MARK = ".tmp-"
 def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)`` from the main process, atomically; every rank returns once it is on disk.
 
-    Missing parent directories are created. Call it on every rank (it synchronises them).
+    Missing parent directories are created. Call it on every rank, not under ``if rank == 0:`` as
+    with ``torch.save``: it synchronises the ranks, and rank 0 alone would wait for the others.
 
     Raises:
         TypeError: ``path`` is not a path.
