@@ -153,3 +153,19 @@ def test_table_numbers_select_tables():
     config = parse_args(["--tables", "1,ddp", "--quick"])
     assert config.tables == ("collectives", "ddp")
     assert config.repeats == 3 and config.steps == 2
+
+
+def test_plot_draws_both_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ddpkit.bench.plot import plot_results
+
+    stats = {"median": 0.01, "q1": 0.009, "q3": 0.011}
+    results = {
+        "meta": {"world_size": 2, "backend": "gloo"},
+        "collectives": [{"op": "all_reduce", "bytes": b, "busbw": b * 1e3} for b in (4096, 16384)],
+        "ddp_step": {"rows": [{"model": "large", "variant": v, "available": v != "ddpkit", **stats}
+                              for v in ("local", "ddpkit", "torch", "floor")]},
+    }
+    path = tmp_path / "bench.png"
+    plot_results(results, str(path))
+    assert path.stat().st_size > 0

@@ -56,7 +56,8 @@ def _plot_steps(ax, rows: list[dict], meta: dict) -> None:
             heights.append(r["median"] * 1e3)
             errs[0].append((r["median"] - r["q1"]) * 1e3)
             errs[1].append((r["q3"] - r["median"]) * 1e3)
-        ax.bar(xs, heights, width, yerr=errs, capsize=3, label=variant)
+        # a fixed colour per variant, so an unavailable one does not shift the others' colours
+        ax.bar(xs, heights, width, yerr=errs, capsize=3, label=variant, color=f"C{j}")
     ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(models))], models)
     ax.set_ylabel("step time (ms), median and IQR")
     ax.set_title(f"DDP step, {meta['world_size']} ranks, {meta['backend']}")
