@@ -73,19 +73,23 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def _resolve_device(device: DeviceLike | None, inputs: Any, kwargs: dict[str, Any]) -> torch.device | None:
+def _resolve_device(index: int, device: DeviceLike | None, inputs: Any, kwargs: dict[str, Any]) -> torch.device | None:
     """The replica's device: the one given, else that of its first tensor input (as torch)."""
     if device is not None:
-        return as_device(device, what="devices[i]")
+        return as_device(device, what=f"devices[{index}]")
     found = _first_tensor((inputs, kwargs))
     return None if found is None else found.device
 
 
-def _device_context(device: torch.device | None, stack: contextlib.ExitStack) -> None:
-    if device is not None and device.type == "cuda":
+def _caller_stream(device: torch.device | None) -> torch.cuda.Stream | None:
+    # current streams are thread-local: read the caller's here, so replica work is ordered with its work
+    return torch.cuda.current_stream(device.index) if device is not None and device.type == "cuda" else None
+
+
+def _device_context(device: torch.device | None, stream: torch.cuda.Stream | None, stack: contextlib.ExitStack) -> None:
+    if stream is not None:
         stack.enter_context(torch.cuda.device(device.index))
-        # the caller's current stream on that device, as torch uses, so work orders with the caller's
-        stack.enter_context(torch.cuda.stream(torch.cuda.current_stream(device.index)))
+        stack.enter_context(torch.cuda.stream(stream))
 
 
 def _run_replica(
@@ -94,13 +98,14 @@ def _run_replica(
     inputs: Any,
     kwargs: dict[str, Any],
     device: torch.device | None,
+    stream: torch.cuda.Stream | None,
     state: _ThreadState,
     results: list[Any],
 ) -> None:
     try:
         with contextlib.ExitStack() as stack:
             state.enter(stack)
-            _device_context(device, stack)
+            _device_context(device, stream, stack)
             # a lone tensor is one argument, not a sequence of them
             args = inputs if isinstance(inputs, (list, tuple)) else (inputs,)
             results[index] = module(*args, **kwargs)
@@ -160,11 +165,11 @@ def parallel_apply(
     if devices is None:
         devices = [None] * len(modules)
     _check_length("devices", len(devices), len(modules))
-    resolved = [_resolve_device(d, x, k) for d, x, k in zip(devices, inputs, kwargs_tup)]
+    resolved = [_resolve_device(i, d, x, k) for i, (d, x, k) in enumerate(zip(devices, inputs, kwargs_tup))]
     state = _ThreadState.capture()
     results: list[Any] = [None] * len(modules)
     jobs = [
-        (i, module, x, kwargs, device, state, results)
+        (i, module, x, kwargs, device, _caller_stream(device), state, results)
         for i, (module, x, kwargs, device) in enumerate(zip(modules, inputs, kwargs_tup, resolved))
     ]
     if len(jobs) == 1:

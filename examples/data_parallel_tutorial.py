@@ -1,6 +1,6 @@
 """PyTorch's classic DataParallel tutorial, on ddpkit, runnable without GPUs.
 
-Usage:
+Usage (from the repository root, with ddpkit installed: pip install -e .):
     python examples/data_parallel_tutorial.py                          # every GPU, else plain CPU
     python examples/data_parallel_tutorial.py --devices cpu,cpu,cpu    # three replicas on the CPU
     python examples/data_parallel_tutorial.py --devices 0,1            # GPUs 0 and 1

@@ -33,18 +33,18 @@ def _mlp(device: str = "cpu") -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double().to(device)
 
 
-class Nested(nn.Module):
+class Nested(nn.Linear):
     """Takes nested positional and keyword inputs, returns a namedtuple and a dataclass."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(5, 2).double()
-
     def forward(self, batch: dict, pair: tuple, *, scale: torch.Tensor, mode: str = "sum") -> tuple:
-        y = self.fc(batch["x"]) * scale[:, None] + pair[0]
+        y = super().forward(batch["x"]) * scale[:, None] + pair[0]
         assert mode == "sum" and pair[1] == "tag"
         return Out(y, y.norm(dim=1)), Result(y, (y**2).sum())
+
+
+class SumOf(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).sum()
 
 
 class CountsCalls(nn.Module):
@@ -58,11 +58,7 @@ class CountsCalls(nn.Module):
         return self.fc(x)
 
 
-class FailsOnSecondReplica(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(5, 2)
-
+class FailsOnSecondReplica(CountsCalls):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x[0, 0] > 0.5:  # only the second chunk starts with a 1
             raise ValueError("no good")
@@ -112,7 +108,7 @@ def test_a_batch_smaller_than_the_device_count_uses_fewer_replicas():
 
 
 def test_nested_inputs_kwargs_namedtuple_and_dataclass_outputs():
-    model = Nested()
+    model = Nested(5, 2).double()
     x, bias, scale = (torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 2, dtype=torch.float64),
                       torch.rand(9, dtype=torch.float64))
     with pytest.warns(UserWarning, match="scalars"):
@@ -131,18 +127,9 @@ def test_a_scalar_output_becomes_one_entry_per_replica_with_torchs_warning():
     model = _mlp()
     x = torch.randn(8, 5, dtype=torch.float64)
     with pytest.warns(UserWarning, match="all input tensors were scalars"):
-        per_replica = data_parallel(_SumModule(model), x, ["cpu"] * 4)
+        per_replica = data_parallel(SumOf(model), x, ["cpu"] * 4)
     assert per_replica.shape == (4,)
     torch.testing.assert_close(per_replica, torch.stack([model(c).sum() for c in x.chunk(4)]))
-
-
-class _SumModule(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x).sum()
 
 
 def test_batchnorm_keeps_the_first_replicas_running_stats_as_torch_does():
@@ -193,22 +180,14 @@ def test_the_four_steps_can_be_overridden():
     calls = []
 
     class Traced(DataParallel):
-        def scatter(self, *args):
-            calls.append("scatter")
-            return super().scatter(*args)
+        pass
 
-        def replicate(self, *args):
-            calls.append("replicate")
-            return super().replicate(*args)
+    for step in ("scatter", "replicate", "parallel_apply", "gather"):
+        def traced(self, *args, _step=step):
+            calls.append(_step)
+            return getattr(DataParallel, _step)(self, *args)
 
-        def parallel_apply(self, *args):
-            calls.append("parallel_apply")
-            return super().parallel_apply(*args)
-
-        def gather(self, *args):
-            calls.append("gather")
-            return super().gather(*args)
-
+        setattr(Traced, step, traced)
     Traced(_mlp(), device_ids=["cpu"] * 2)(torch.randn(4, 5, dtype=torch.float64))
     assert calls == ["scatter", "replicate", "parallel_apply", "gather"]
 
