@@ -9,6 +9,8 @@
 * one process and several visible GPUs: ``DataParallel`` over all of them;
 * one process and one GPU: the model on ``cuda:0``; no GPU: the model itself.
 
+A single process that ``ddpkit.init(backend="gloo")`` placed on the CPU stays on the CPU.
+
 Options are DistributedDataParallel's and DataParallel's keyword arguments, plus ``devices``. An
 option that the chosen wrapper does not take but the other one does is ignored, so one script runs
 everywhere: ``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``, ... do nothing in a
@@ -101,9 +103,13 @@ def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     dp_class = _data_parallel_class()
     dp_options = _accepted(dp_class, _DP_OPTIONS) if dp_class is not None else set(_DP_OPTIONS) - set(_CHOSEN_HERE)
     _check_options(options, "a single process (DataParallel)", dp_options | {"devices"})
-    devices = local_devices(options.get("devices"), torch.cuda.device_count())
+    env = current_env()
+    # a process that ddpkit.init() placed on the CPU (backend="gloo" on a GPU machine) stays there
+    on_cpu = env is not None and env.device is not None and env.device.type == "cpu"
+    cuda_count = 0 if on_cpu else torch.cuda.device_count()
+    devices = local_devices(options.get("devices"), cuda_count)
     if devices is None:
-        return module.to("cuda:0") if torch.cuda.device_count() == 1 else module
+        return module.to("cuda:0") if cuda_count == 1 else module
     if dp_class is None:
         raise RuntimeError("parallelize needs ddpkit.DataParallel for devices=..., and "
                            "ddpkit.data_parallel is not importable in this installation.")
