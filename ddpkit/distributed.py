@@ -1,0 +1,362 @@
+"""``DistributedDataParallel``: ddpkit's own, with the reducer written in Python.
+
+    model = ddpkit.DistributedDataParallel(model)        # after ddpkit.init()
+    loss_fn(model(x), y).backward()                      # gradients are averaged over ranks here
+
+Same arguments, defaults and results as ``torch.nn.parallel.DistributedDataParallel``; the bucketing
+and the overlapped all-reduce live in ``ddpkit.reducer`` on plain ``torch.distributed`` collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
+
+from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
+from ddpkit.join import DDPJoinHook
+from ddpkit.reducer import Reducer
+
+__all__ = ["DistributedDataParallel", "DDP"]
+
+_MIB = 1024 * 1024
+_DEFAULT_BUCKET_CAP_MB = 25
+_BROADCAST_CHUNK_BYTES = 250 * _MIB  # torch's broadcast_bucket_size
+
+
+class DistributedDataParallel(nn.Module, Joinable):
+    """Data parallelism over processes: same model on every rank, gradients averaged in backward.
+
+    Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
+    buffers) to all, and hands the parameters to a ``Reducer``. Each forward may broadcast rank 0's
+    buffers; each synced backward averages the gradients. In a world of one it is a plain wrapper.
+
+    Example:
+        >>> ddpkit.init()
+        >>> model = ddpkit.DDP(nn.Linear(8, 2))
+        >>> model(torch.randn(4, 8)).sum().backward()   # .grad is the average over ranks
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = _DEFAULT_BUCKET_CAP_MB,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False):
+        super().__init__()
+        Joinable.__init__(self)
+        self.module = module
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self.process_group = _default_group() if process_group is None else process_group
+        self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
+        self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
+        named = self._parameters_to_reduce()
+        self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
+        self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
+        self.reducer: Reducer | None = None
+        self._world_of_one_hook: tuple[Any, Callable] | None = None
+        if self.world_size > 1:
+            self._verify_same_parameters()
+            self._broadcast_states(src=0, buffers=broadcast_buffers)
+            self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
+                                   self.bucket_bytes_cap, first_cap,
+                                   find_unused_parameters=find_unused_parameters,
+                                   gradient_as_bucket_view=gradient_as_bucket_view,
+                                   static_graph=static_graph)
+
+    # ---- construction steps --------------------------------------------------------------------
+    def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
+                               "parameter that requires a gradient.")
+        return named
+
+    def _check_devices(self, device_ids, output_device):
+        """torch's rules: device_ids only for a module on one GPU, and then a single device."""
+        devices = {p.device for p in self.module.parameters()}
+        types = sorted({d.type for d in devices})
+        if len(types) != 1:
+            raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
+                             f"device, found {types}. HINT: move the whole module with .to(device).")
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError(f"device_ids={list(device_ids)}: DistributedDataParallel drives one device "
+                             "per process, so device_ids can only be None or contain a single element. "
+                             "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
+        if not device_ids or types[0] == "cpu" or len(devices) > 1:
+            if device_ids or output_device is not None:
+                raise ValueError(
+                    f"device_ids={device_ids} and output_device={output_device} only apply to a module "
+                    f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
+                    "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
+            return next(iter(self.module.parameters())).device, None, None
+        device = _as_device(device_ids[0], types[0])
+        if device not in devices:
+            raise ValueError(f"device_ids names {device}, but the module's parameters are on "
+                             f"{next(iter(devices))}. HINT: move the module there with .to({str(device)!r}).")
+        output = device if output_device is None else _as_device(output_device, types[0])
+        return device, [device.index], output
+
+    def _verify_same_parameters(self) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks hold the same tensors."""
+        mine = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+                for n, t in self._states(buffers=self.broadcast_buffers)]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        for rank in range(1, self.world_size):
+            problem = _first_difference(everyone[0], everyone[rank], rank)
+            if problem:
+                raise RuntimeError(
+                    f"DistributedDataParallel needs the same parameters and buffers on every rank, but "
+                    f"{problem} (this is rank {self.rank}). HINT: build the model identically on every "
+                    "rank (same arguments, same code path) before wrapping it.")
+
+    def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.module.named_parameters()
+        if buffers:
+            yield from self.module.named_buffers()
+
+    def _broadcast_states(self, src: int, buffers: bool) -> None:
+        """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
+        _broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.device_ids:
+            inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
+        if self.reducer is None:
+            return inputs, kwargs
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.require_backward_grad_sync:
+            self.reducer.prepare_for_forward()
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            self.reducer.set_join_count(work)
+        if grad_enabled:
+            self.reducer.rebuild_buckets_if_due()
+        if self._will_sync_buffers():
+            self._sync_buffers(active=True)
+        if self._join_config.enable:
+            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
+        return inputs, kwargs
+
+    def _post_forward(self, output: Any) -> Any:
+        if self.reducer is None:
+            return output
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            unused = self._unreached_parameters(output) if self.find_unused_parameters else ()
+            self.reducer.prepare_for_backward(unused)
+        else:
+            self.require_forward_param_sync = False
+            self.reducer.prepare_for_local_backward()
+        return output
+
+    def _unreached_parameters(self, output: Any) -> list[int]:
+        """Indices of the parameters the output's autograd graph does not reach (torch's search)."""
+        index_of = self.reducer.index_of
+        reached: set[int] = set()
+        stack = []
+        for t in _find_tensors(output):
+            if t.grad_fn is not None:
+                stack.append(t.grad_fn)
+            elif id(t) in index_of:
+                reached.add(index_of[id(t)])
+        seen = set(stack)
+        while stack:
+            fn = stack.pop()
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
+            if variable is not None:
+                if id(variable) in index_of:
+                    reached.add(index_of[id(variable)])
+                continue
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return [i for i in range(len(index_of)) if i not in reached]
+
+    # ---- buffers -------------------------------------------------------------------------------
+    def _will_sync_buffers(self) -> bool:
+        """torch's rule: before a forward that follows a synced one, when there are buffers."""
+        return (self.require_forward_param_sync and self.broadcast_buffers
+                and next(self.module.buffers(), None) is not None)
+
+    def _sync_buffers(self, active: bool) -> None:
+        """Broadcast buffers from rank 0, or under join from the highest rank still active."""
+        src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
+        _broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+
+    # ---- options -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the block averages the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+        if self.reducer is None:
+            self._world_of_one_hook = (state, hook)  # nothing to average in a world of one
+        else:
+            self.reducer.register_comm_hook(state, hook)
+
+    # ---- join (uneven inputs) ------------------------------------------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Context manager for ranks with different numbers of batches (torch's ``ddp.join``)."""
+        if self.reducer is None:
+            return contextlib.nullcontext()
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> bool | None:
+        """Tell joined ranks whether this iteration's backward is synced (they contribute 0)."""
+        flag = torch.tensor([0.0 if is_joined_rank or not self.require_backward_grad_sync else 1.0],
+                            device=self.device)
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        if not is_joined_rank:
+            return None
+        work.wait()
+        return bool(flag.item() != 0)
+
+    def _find_common_rank(self, rank: int, candidate: bool) -> int:
+        """The highest rank among the candidates, agreed by all ranks."""
+        t = torch.tensor([rank if candidate else -1], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(t.item()) < 0:
+            raise RuntimeError("DistributedDataParallel join: no rank could provide the model state.")
+        return int(t.item())
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        src = self._find_common_rank(self.rank, is_last_joiner)
+        self._broadcast_states(src=src, buffers=self.broadcast_buffers)
+
+
+DDP = DistributedDataParallel
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _default_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(cap, first cap): the small first bucket only with the default cap, as torch does."""
+    if bucket_cap_mb is None:
+        bucket_cap_mb = _DEFAULT_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of MiB.")
+    cap = max(1, int(bucket_cap_mb * _MIB))
+    first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB else cap
+    return cap, min(first, cap)
+
+
+def _as_device(device: int | str | torch.device, device_type: str) -> torch.device:
+    if isinstance(device, int):
+        return torch.device(device_type, device)
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
+    def describe(entry: tuple, r: int) -> str:
+        name, shape, dtype = entry
+        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype})"
+
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
+    if len(ref) != len(other):
+        longer, r = (ref, 0) if len(ref) > len(other) else (other, rank)
+        return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
+                f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
+    return None
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast ``tensors`` from group rank ``src`` as a few flat tensors per (device, dtype)."""
+    groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.device, t.dtype)
+        chunks = groups.setdefault(key, [[]])
+        if filled.get(key, 0) > _BROADCAST_CHUNK_BYTES:
+            chunks.append([])
+            filled[key] = 0
+        chunks[-1].append(t)
+        filled[key] = filled.get(key, 0) + t.numel() * t.element_size()
+    receiving = dist.get_rank(group) != src
+    with torch.no_grad():
+        for chunks in groups.values():
+            for chunk in chunks:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+                if receiving:
+                    views = torch.split(flat, [t.numel() for t in chunk])
+                    torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
+
+
+def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output: tensors, lists, tuples, dicts, dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _find_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _find_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from _find_tensors(getattr(obj, field.name))
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """Move the tensors of a (nested) input to ``device``, as torch's DDP does with device_ids."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(o, device) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj

@@ -1,0 +1,357 @@
+"""The reducer: gradient buckets, grad-ready hooks, async all-reduce, and the one wait point.
+
+One iteration, seen from here:
+
+1. ``prepare_for_backward`` (end of a synced forward) arms the hooks; with find_unused_parameters
+   the parameters that the output does not depend on are marked ready at once.
+2. Each parameter's post-accumulate-grad hook counts it ready. When a bucket is complete and every
+   bucket before it has been launched, its gradients are scaled into the flat buffer and its
+   all-reduce (or comm hook) starts. Strict bucket order means every rank issues the same sequence
+   of collectives, whatever order its gradients arrive in.
+3. At the end of backward (an autograd-engine callback) ``finalize_backward`` launches whatever is
+   left, waits for everything, raises the same error on every rank if some rank lacked gradients,
+   and writes the averaged gradients back: they are final when ``backward()`` returns.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.bucket import Bucket, assign_buckets
+
+__all__ = ["Reducer", "queue_end_of_backward_callback", "unused_gradient_error"]
+
+CommHook = Callable[[Any, Bucket], torch.futures.Future]
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the autograd engine has finished the current backward pass.
+
+    The one private autograd call in ddpkit. ``Variable._execution_engine.queue_callback`` is what
+    torch's own DDP uses for the same purpose; there is no public equivalent. It must be called
+    from inside a running backward pass (here: from a parameter's post-accumulate-grad hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class Reducer:
+    """Average the gradients of ``params`` over ``process_group`` during backward, in buckets."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group,
+                 cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
+        self.params = list(params)
+        self.names = list(names)
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.find_unused = find_unused_parameters
+        self.as_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.comm_hook: CommHook | None = None
+        self.comm_state: Any = None
+        self._cap, self._first_cap = cap_bytes, first_cap_bytes
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._build(list(reversed(range(len(self.params)))))
+        # Rebuilt once, in the order gradients really arrived, where that order cannot vary.
+        self._rebuilt = not (static_graph or not find_unused_parameters)
+        self._record: list[int] | None = None if self._rebuilt else []
+        self.iterations = 0  # synced backward passes, real or shadowed (join)
+        self._write_mask: list[bool] | None = None  # False: globally unused, leave .grad alone
+        self._static_unused: list[int] = []
+        self._join_work = None
+        self._expecting = self._finalized = False
+        self._reset_iteration()
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+                         for i, p in enumerate(self.params)]
+
+    # ---- buckets -------------------------------------------------------------------------------
+    def _build(self, order: list[int]) -> None:
+        """(Re)create the buckets walking ``order``; the last one carries the status flag."""
+        groups = assign_buckets(self.params, order, self._cap, self._first_cap)
+        last = len(groups) - 1
+        self.buckets = [Bucket(k, [self.params[i] for i in idx], idx, k == last, extra=int(k == last))
+                        for k, idx in enumerate(groups)]
+        self._bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for i in b.param_indices:
+                self._bucket_of[i] = b.index()
+        self._counts = [len(b.params) for b in self.buckets]
+        if self.as_view:  # gradients that exist move into the buckets, as torch does
+            with torch.no_grad():
+                for b in self.buckets:
+                    for p, v in zip(b.params, b.views):
+                        if p.grad is not None and p.grad is not v:
+                            v.copy_(p.grad)
+                            p.grad = v
+
+    def rebuild_buckets_if_due(self) -> bool:
+        """After the first synced backward, rebuild once in rank 0's gradient-ready order."""
+        if self._rebuilt or self.iterations == 0:
+            return False
+        seen = set(self._record or ())
+        order = list(self._record or ()) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64)
+        dist.broadcast(order_t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._build(order_t.tolist())
+        self._rebuilt, self._record = True, None
+        return True
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        if self.comm_hook is not None:
+            raise RuntimeError("register_comm_hook() may be called only once per DistributedDataParallel.")
+        self.comm_hook, self.comm_state = hook, state
+
+    def set_join_count(self, work) -> None:
+        """Divide by the number of ranks still active (``Join(divide_by_initial_world_size=False)``)."""
+        self._join_work = work
+
+    # ---- iteration state -----------------------------------------------------------------------
+    def _reset_iteration(self) -> None:
+        n = len(self.params)
+        self._ready = [False] * n
+        self._used = [True] * n
+        self._pending = list(self._counts)
+        self._next_bucket = 0
+        self._works: list[Any] = []
+        self._callback_queued = False
+        self._scale: float | None = 1.0 / self.world_size
+
+    @property
+    def _tolerant(self) -> bool:
+        """Missing gradients are allowed this iteration (and a used-map all-reduce is due)."""
+        return self.find_unused or (self.static_graph and self.iterations == 0)
+
+    def prepare_for_forward(self) -> None:
+        """Called before a synced forward: the previous one must have been reduced."""
+        if self._expecting:
+            self._expecting = False
+            self._reset_iteration()
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: forward() was called again before the "
+                "previous forward's gradients were reduced (no backward() through its output, or that "
+                "backward failed or reached none of the parameters). HINT: run evaluation under "
+                "torch.no_grad(), run extra forward passes inside ddp.no_sync(), and call backward() "
+                "once per forward."
+            )
+
+    def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
+        """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach."""
+        self._expecting, self._finalized = True, False
+        if self.find_unused:
+            self._mark_unused(unused)
+        elif self.static_graph and self.iterations > 0:
+            self._mark_unused(self._static_unused)
+
+    def prepare_for_local_backward(self) -> None:
+        """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""
+        self._finalized = False
+
+    # ---- the hot path --------------------------------------------------------------------------
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._expecting:
+            if self._finalized:
+                self._finalized = False
+                raise RuntimeError(
+                    f"DistributedDataParallel on rank {self.rank}: a gradient for "
+                    f"'{self.names[index]}' arrived after this iteration's gradients were already "
+                    "averaged: backward() ran twice through one forward's graph, or through the graph "
+                    "of an earlier iteration. HINT: call forward() again before each backward().")
+            return
+        ready = self._ready
+        if ready[index]:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received "
+                "its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
+                "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "
+                "(use_reentrant=False), or static_graph=True.")
+        ready[index] = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_end_of_backward_callback(self.finalize_backward)
+        if self._record is not None:
+            self._record.append(index)
+        b = self._bucket_of[index]
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and b == self._next_bucket:
+            self._launch_ready_buckets()
+
+    def _mark_unused(self, indices: Sequence[int]) -> None:
+        for i in indices:
+            if not self._ready[i]:
+                self._ready[i], self._used[i] = True, False
+                self._pending[self._bucket_of[i]] -= 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        buckets, pending = self.buckets, self._pending
+        while self._next_bucket < len(buckets) and pending[self._next_bucket] == 0:
+            self._launch(buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._fill(bucket)
+        if self.comm_hook is None:
+            self._works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
+        else:
+            self._works.append(self.comm_hook(self.comm_state, bucket))
+
+    def _fill(self, bucket: Bucket) -> None:
+        """Scale this bucket's gradients into its buffer (a comm hook gets them unscaled)."""
+        if self._join_work is not None:
+            self._join_work.wait()
+            self._scale = 1.0 / max(1, int(self._join_work.result()[0].item()))
+            self._join_work = None
+        scale = self._scale if self.comm_hook is None else None
+        grads = [p.grad for p in bucket.params]
+        copy_src, copy_dst, in_place = [], [], []
+        bucket.has_none = False
+        with torch.no_grad():
+            for g, v, big in zip(grads, bucket.views, bucket.big):
+                if g is v:
+                    in_place.append(v)
+                elif g is None:
+                    v.zero_()
+                    bucket.has_none = True
+                elif big and scale is not None:
+                    torch.mul(g, scale, out=v)
+                else:
+                    copy_src.append(g)
+                    copy_dst.append(v)
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+                in_place += copy_dst
+            if in_place and scale is not None:
+                torch._foreach_mul_(in_place, scale)
+        if self.as_view:
+            for p, g, v in zip(bucket.params, grads, bucket.views):
+                if g is not None and g is not v:
+                    p.grad = v
+        bucket.grads = grads
+
+    # ---- the wait point ------------------------------------------------------------------------
+    def finalize_backward(self) -> None:
+        """End of backward: launch what is left, wait, check, write the averages back."""
+        try:
+            missing = self._launch_remaining()
+            tail = self._launch_tail(bool(missing))
+            self._wait_buckets()
+            self._check(tail, missing)
+            self._write_back()
+            self._finalized = True
+        finally:
+            self._end_iteration()
+
+    def _launch_remaining(self) -> list[int]:
+        if self._next_bucket == len(self.buckets):
+            return []
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        if not self._tolerant and self.comm_hook is None:
+            self.buckets[-1].flag.fill_(1)  # tell every rank, through the last bucket's all-reduce
+        self._mark_unused(missing)
+        return missing
+
+    def _launch_tail(self, missing: bool, shadow: bool = False):
+        """The collective after the buckets: used-map, or status flag when a comm hook hides ours."""
+        if self._tolerant:
+            used = torch.tensor([0] * len(self.params) if shadow else self._used, dtype=torch.int32)
+            return used, dist.all_reduce(used, group=self.group, async_op=True)
+        if self.comm_hook is not None:
+            status = torch.tensor([int(missing)], dtype=torch.int32)
+            return status, dist.all_reduce(status, group=self.group, async_op=True)
+        return None  # the status flag rides in the last bucket: set it before that bucket launched
+
+    def _wait_buckets(self) -> None:
+        for bucket, work in zip(self.buckets, self._works):
+            result = work.wait()
+            if self.comm_hook is not None:
+                if isinstance(result, (list, tuple)):
+                    result = result[0]
+                if result is not bucket.buffer():
+                    bucket.buffer().copy_(result)
+
+    def _check(self, tail, missing: list[int]) -> None:
+        """Record globally unused parameters, or raise on every rank if a gradient was missing."""
+        if self._tolerant:
+            used, work = tail
+            work.wait()
+            self._write_mask = [u > 0 for u in used.tolist()]
+            if self.static_graph:
+                self._static_unused = [i for i, u in enumerate(self._used) if not u]
+            return
+        if tail is not None:
+            tail[1].wait()
+            failed = int(tail[0].item())
+        else:
+            failed = int(self.buckets[-1].flag.item())
+        if failed:
+            self.buckets[-1].flag.zero_()
+            names = [self.names[i] for i in missing]
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, (self.rank, names), group=self.group)
+            raise unused_gradient_error(self.rank, everyone, self.static_graph)
+
+    def _write_back(self) -> None:
+        mask = self._write_mask
+        for bucket in self.buckets:
+            if mask is None and not bucket.has_none:
+                if not self.as_view:
+                    torch._foreach_copy_(bucket.grads, bucket.views)
+                continue
+            for i, p, g, v in zip(bucket.param_indices, bucket.params, bucket.grads, bucket.views):
+                if mask is not None and not mask[i]:
+                    continue
+                if g is None:
+                    p.grad = v if self.as_view else v.clone()
+                elif not self.as_view:
+                    g.copy_(v)
+
+    def _end_iteration(self) -> None:
+        self._expecting = False
+        self.iterations += 1
+        self._reset_iteration()
+
+    # ---- join: a rank out of data mirrors the others' collectives -------------------------------
+    def shadow_backward(self) -> None:
+        """Issue the collectives of one synced backward with zero gradients (joined rank)."""
+        works = []
+        for bucket in self.buckets:
+            zeros = bucket.zeros_like()
+            if self.comm_hook is None:
+                works.append(dist.all_reduce(zeros.flat, group=self.group, async_op=True))
+            else:
+                works.append(self.comm_hook(self.comm_state, zeros))
+        tail = self._launch_tail(False, shadow=True)
+        for work in works:
+            work.wait()
+        if tail is not None:
+            tail[1].wait()
+            if not self._tolerant and int(tail[0].item()):
+                self._raise_shadowed()
+        elif int(zeros.flag.item()):
+            self._raise_shadowed()
+        self.iterations += 1
+        self._reset_iteration()
+
+    def _raise_shadowed(self) -> None:
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (self.rank, []), group=self.group)
+        raise unused_gradient_error(self.rank, everyone, self.static_graph)
+
+
+def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
+                          static_graph: bool) -> RuntimeError:
+    """The error every rank raises when some rank's backward left parameters without a gradient."""
+    listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names)
+                       for r, names in everyone if names)
+    mode = ("static_graph=True, and these were used in the first iteration" if static_graph
+            else "find_unused_parameters=False")
+    return RuntimeError(
+        f"DistributedDataParallel: parameters received no gradient in this backward pass, so their "
+        f"buckets could not be averaged ({mode}): {listed} (this is rank {rank}). HINT: pass "
+        "find_unused_parameters=True to DistributedDataParallel, or make sure the output (the loss) "
+        "depends on every parameter; freeze parameters you do not train with requires_grad_(False) "
+        "before wrapping the model.")

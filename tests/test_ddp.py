@@ -1,0 +1,178 @@
+"""ddpkit's DistributedDataParallel trains to the same parameters as torch's, in every configuration.
+
+Each configuration trains the same model from the same start with both classes on 2 or 3 Gloo ranks,
+different data per rank, SGD with momentum; parameters, buffers and which grads are None must agree.
+Many configurations share one spawned run to keep the suite fast.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from ranks import run_ranks
+
+IN = 6
+
+
+class SGD:
+    """SGD with momentum, as torch.optim.SGD computes it; torch.optim's first use costs seconds."""
+
+    def __init__(self, params, lr: float, momentum: float):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                buf = self.buffers[i]
+                self.buffers[i] = buf = p.grad.clone() if buf is None else buf.mul_(self.momentum).add_(p.grad)
+                p.add_(buf, alpha=-self.lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
+class Unused(nn.Module):
+    """``never`` is unused on every rank; ``some`` only on ranks that pass use_some=False."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.some, self.never, self.out = (nn.Linear(IN, 8), nn.Linear(8, 8), nn.Linear(8, 8),
+                                                   nn.Linear(8, 3))
+
+    def forward(self, x, use_some=True):
+        h = torch.relu(self.a(x))
+        return self.out(self.some(h) if use_some else h)
+
+
+def _model(name: str) -> nn.Module:
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    if name == "bn":
+        return nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    if name == "unused":
+        return Unused()
+    if name == "wide":  # several buckets at the default cap, mixed with tiny tensors
+        return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
+    raise ValueError(name)
+
+
+def _hook(kind: str, name: str):
+    if kind == "ddpkit":
+        import ddpkit.hooks
+
+        return getattr(ddpkit.hooks, name)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def reference(state, bucket):  # torch refuses its bf16 hook by name off NCCL; it runs on Gloo
+        return getattr(default_hooks, name)(state, bucket)
+
+    return reference
+
+
+def _train(kind: str, cfg: dict, rank: int) -> dict:
+    """Train one model with ddpkit's ('ddpkit') or torch's ('torch') DDP; return its final state."""
+    import ddpkit
+
+    torch.manual_seed(1000 + (rank if cfg.get("different_init") else 0))
+    cls = ddpkit.DistributedDataParallel if kind == "ddpkit" else nn.parallel.DistributedDataParallel
+    ddp = cls(_model(cfg.get("model", "mlp")), **cfg.get("kwargs", {}))
+    if "hook" in cfg:
+        ddp.register_comm_hook(None, _hook(kind, cfg["hook"]))
+    opt = SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    data = torch.Generator().manual_seed(7 + rank)
+    steps = cfg.get("steps", 4) + (2 * rank if cfg.get("uneven") else 0)
+    forward_kwargs = {"use_some": rank == 1} if cfg.get("model") == "unused" else {}
+    with ddp.join() if cfg.get("uneven") else contextlib.nullcontext():
+        for step in range(steps):
+            x = torch.randn(5, IN, generator=data) + rank
+            local = cfg.get("accumulate") and step % 3 != 2
+            if local and cfg["accumulate"] == "attribute":
+                ddp.require_backward_grad_sync = False
+            with ddp.no_sync() if local and cfg["accumulate"] == "no_sync" else contextlib.nullcontext():
+                ddp(x, **forward_kwargs).square().mean().backward()
+            ddp.require_backward_grad_sync = True
+            if not local:
+                views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
+                opt.step()
+                opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+    state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
+    grads_none = [p.grad is None for p in ddp.parameters()]
+    if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):
+        views = None
+    return {"state": state, "grads_none": grads_none, "views": views}
+
+
+def _grads_are_bucket_views(ddp) -> bool:
+    storages = {b.buffer().untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+    return all(p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters())
+
+
+def _compare_worker(configs: list[dict]) -> list[dict]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return [{"ddpkit": _train("ddpkit", cfg, rank), "torch": _train("torch", cfg, rank)}
+            for cfg in configs]
+
+
+CONFIGS = {
+    "defaults": {},
+    "tiny_buckets": {"kwargs": {"bucket_cap_mb": 0.0002}},
+    "wide_default_buckets": {"model": "wide", "steps": 3},
+    "different_init": {"different_init": True},
+    "grad_as_bucket_view": {"kwargs": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}},
+    "grad_as_bucket_view_zeroed": {"kwargs": {"gradient_as_bucket_view": True}, "set_to_none": False},
+    "no_sync": {"accumulate": "no_sync", "steps": 6},
+    "require_backward_grad_sync": {"accumulate": "attribute", "steps": 6, "set_to_none": False},
+    "static_graph": {"kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
+    "find_unused": {"model": "unused", "kwargs": {"find_unused_parameters": True}},
+    "find_unused_tiny_buckets": {"model": "unused",
+                                 "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0002}},
+    "static_graph_unused": {"model": "unused", "kwargs": {"static_graph": True}},
+    "batchnorm_broadcast": {"model": "bn"},
+    "batchnorm_no_broadcast": {"model": "bn", "kwargs": {"broadcast_buffers": False}},
+    "batchnorm_no_sync": {"model": "bn", "accumulate": "no_sync", "steps": 6},
+    "allreduce_hook": {"hook": "allreduce_hook", "kwargs": {"bucket_cap_mb": 0.0003}},
+    "fp16_hook": {"hook": "fp16_compress_hook"},
+    "bf16_hook": {"hook": "bf16_compress_hook"},
+    "join_uneven": {"uneven": True},
+    "join_uneven_bn": {"uneven": True, "model": "bn", "kwargs": {"bucket_cap_mb": 0.0003}},
+    "join_uneven_unused": {"uneven": True, "model": "unused", "kwargs": {"find_unused_parameters": True}},
+}
+TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2}
+THREE_RANKS = ["defaults", "tiny_buckets", "different_init", "find_unused", "batchnorm_broadcast",
+               "no_sync", "join_uneven", "fp16_hook", "grad_as_bucket_view"]
+
+
+def _check(names: list[str], results: list[list[dict]]) -> None:
+    for rank, per_rank in enumerate(results):
+        for name, got in zip(names, per_rank):
+            mine, ref = got["ddpkit"], got["torch"]
+            assert mine["grads_none"] == ref["grads_none"], (name, rank)
+            assert mine["state"].keys() == ref["state"].keys(), (name, rank)
+            for key, value in ref["state"].items():
+                diff = (mine["state"][key].double() - value.double()).abs().max().item()
+                assert diff <= TOLERANCE.get(name, 1e-5), f"{name}: rank {rank} {key} differs by {diff}"
+            if mine["views"] is not None:
+                assert mine["views"], f"{name}: a .grad is not a view into a bucket"
+
+
+@pytest.mark.timeout(120)
+def test_trains_like_torch_ddp_in_every_configuration_on_two_ranks():
+    names = list(CONFIGS)
+    _check(names, run_ranks(_compare_worker, 2, args=([CONFIGS[n] for n in names],), timeout=100))
+
+
+@pytest.mark.timeout(120)
+def test_trains_like_torch_ddp_on_three_ranks():
+    _check(THREE_RANKS, run_ranks(_compare_worker, 3, args=([CONFIGS[n] for n in THREE_RANKS],),
+                                  timeout=100))
