@@ -100,8 +100,11 @@ def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Steppe
 
 
 def make_stepper(variant: str, model_name: str, quick: bool, device: torch.device,
-                 **ddp_options) -> Stepper | None:
-    """One training step of ``variant`` on a fresh copy of the model; None if it is unavailable."""
+                 set_to_none: bool = True, **ddp_options) -> Stepper | None:
+    """One training step of ``variant`` on a fresh copy of the model; None if it is unavailable.
+
+    ``set_to_none`` is ``zero_grad``'s (the floor always zeroes its flat buffer in place).
+    """
     rank = dist.get_rank()
     x, y = make_batch(model_name, quick, device, rank)
     model = build_model(model_name, quick, device)
@@ -114,7 +117,7 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
     elif variant != "local":
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
     opt = torch.optim.SGD(model.parameters(), lr=_LR)
-    return Stepper(model, opt, x, y, zero=lambda: opt.zero_grad(set_to_none=True))
+    return Stepper(model, opt, x, y, zero=lambda: opt.zero_grad(set_to_none=set_to_none))
 
 
 def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, steps: int,
