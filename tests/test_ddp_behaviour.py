@@ -1,0 +1,213 @@
+"""DistributedDataParallel beyond equal results: overlap, no torch DDP inside, errors on every rank.
+
+Misuse scenarios run one after another in a single spawned run: each must raise the same named error
+on every rank (a rank that did not raise would walk into the next scenario's collectives and hang,
+which the deadline would report).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ranks import run_ranks
+
+
+def _mlp(width: int = 8, depth: int = 3) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.some = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_some=True):
+        h = self.a(x)
+        return self.some(h) if use_some else h
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _misuse_worker() -> dict[str, str | None]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: dict[str, str | None] = {}
+    out["shape"] = _error_of(lambda: ddpkit.DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 + rank))))
+    out["count"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2 + rank)))
+
+    def unused(use_some: bool, hook=None, static=False, steps=1):
+        ddp = ddpkit.DDP(_Branchy(), static_graph=static)
+        if hook:
+            ddp.register_comm_hook(None, hook)
+        for step in range(steps):
+            ddp(torch.ones(2, 4), use_some=use_some or (static and step == 0)).sum().backward()
+
+    out["unused_here"] = _error_of(lambda: unused(rank == 0))
+    out["unused_hook"] = _error_of(lambda: unused(rank == 0, hook=ddpkit.hooks.allreduce_hook))
+    out["unused_everywhere"] = _error_of(lambda: unused(False))
+    out["static_changed"] = _error_of(lambda: unused(rank == 0, static=True, steps=2))
+
+    ddp = ddpkit.DDP(_mlp())
+    def forward_twice():
+        ddp(torch.ones(2, 8))
+        ddp(torch.ones(2, 8))
+
+    def backward_twice():
+        loss = ddp(torch.ones(2, 8)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    out["forward_twice"] = _error_of(forward_twice)
+    out["backward_twice"] = _error_of(backward_twice)
+    ddp(torch.ones(2, 8)).sum().backward()  # still usable after those errors
+    out["recovered"] = ddp.module[0].weight.grad is not None and None
+
+    def early_termination():
+        with ddp.join(throw_on_early_termination=True):
+            for _ in range(2 + rank):
+                ddp(torch.ones(2, 8)).sum().backward()
+
+    out["early_termination"] = _error_of(early_termination)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
+    start = time.monotonic()
+    results = run_ranks(_misuse_worker, 2, timeout=60)
+    assert time.monotonic() - start < 45
+    for rank, out in enumerate(results):
+        assert "tensor #2 differs: rank 0 has '1.weight' with shape [3, 4] (float32), rank 1 has " \
+               "'1.weight' with shape [4, 4] (float32)" in out["shape"], out["shape"]
+        assert "rank 0 has 4 parameters/buffers and rank 1 has 6" in out["count"]
+        assert "'2.weight' with shape [4, 4]" in out["count"]
+        for key in ("unused_here", "unused_hook"):
+            assert "rank 1: 'some.weight', 'some.bias'" in out[key], out[key]
+            assert "rank 0:" not in out[key] and "find_unused_parameters=True" in out[key]
+            assert f"(this is rank {rank})" in out[key]
+        assert "rank 0: 'some.weight', 'some.bias'; rank 1: 'some.weight'" in out["unused_everywhere"]
+        assert "static_graph=True" in out["static_changed"] and "rank 1: 'some.weight'" in out["static_changed"]
+        assert "forward() was called again before the previous forward's gradients" in out["forward_twice"]
+        assert "arrived after this iteration's gradients were already averaged" in out["backward_twice"]
+        assert out["recovered"] is None
+        assert "exhausted" in out["early_termination"]
+
+
+def _forbid_torch_ddp() -> None:
+    """Make torch's DDP, its C++ Reducer and its bucketing raise if anything touches them."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch's DDP machinery was used")
+
+    nn.parallel.DistributedDataParallel.__init__ = refuse
+    torch._C._distributed_c10d.Reducer = refuse
+    dist.Reducer = refuse
+    dist._compute_bucket_assignment_by_size = refuse
+
+
+def _properties_worker() -> dict:
+    import torch.distributed as dist
+
+    _forbid_torch_ddp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+
+    # overlap: with one bucket per layer, all-reduces start before backward reaches layer 0
+    events: list[str] = []
+    real_all_reduce = dist.all_reduce
+
+    def recording_all_reduce(*args, **kwargs):
+        events.append("launch")
+        return real_all_reduce(*args, **kwargs)
+
+    ddp = ddpkit.DDP(_mlp(256, 4), bucket_cap_mb=0.25)
+    ddp.module[0].weight.register_post_accumulate_grad_hook(lambda p: events.append("layer0"))
+    dist.all_reduce = recording_all_reduce
+    try:
+        ddp(torch.randn(4, 256)).sum().backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+    out["buckets"] = len(ddp.reducer.buckets)
+    out["launched_before_layer0"] = events.index("layer0")
+    out["launches"] = events.count("launch")
+
+    # gradients equal single-process training on the concatenated batch
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    reference = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    reference.load_state_dict(model.state_dict())
+    batches = torch.randn(world, 3, 5, generator=torch.Generator().manual_seed(1))
+    ddp = ddpkit.DDP(model, bucket_cap_mb=0.0001)
+    for _ in range(2):  # the second pass runs on the rebuilt buckets
+        ddp.zero_grad()
+        ddp(batches[rank]).square().mean().backward()
+    reference(batches.reshape(-1, 5)).square().mean().backward()
+    out["full_batch_diff"] = max((p.grad - q.grad).abs().max().item()
+                                 for p, q in zip(model.parameters(), reference.parameters()))
+
+    # every option and the join path, with torch's DDP machinery booby-trapped
+    for kwargs in ({"find_unused_parameters": True}, {"static_graph": True},
+                   {"gradient_as_bucket_view": True}):
+        ddp = ddpkit.DDP(_mlp(), **kwargs)
+        ddp.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
+        with ddp.join():
+            for _ in range(2 + rank):
+                ddp(torch.ones(2, 8)).sum().backward()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
+    for out in run_ranks(_properties_worker, 2, timeout=60):
+        assert out["buckets"] == 4 and out["launches"] == 4
+        assert out["launched_before_layer0"] >= 3, "all-reduces did not start before layer 0's gradient"
+        assert out["full_batch_diff"] < 1e-6
+
+
+# ---- a world of one, and argument checks (in this process, no process group) ----------------------
+
+
+def test_world_of_one_is_a_transparent_wrapper():
+    torch.manual_seed(0)
+    model = _mlp()
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    ddp = ddpkit.DistributedDataParallel(model)
+    assert ddp.reducer is None and ddp.module is model and ddpkit.DDP is ddpkit.DistributedDataParallel
+    x = torch.randn(3, 8)
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    assert ddp.require_backward_grad_sync
+    reference(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert list(ddp.state_dict()) == [f"module.{k}" for k in reference.state_dict()]
+    with ddp.join():
+        pass
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"device_ids": [0]}, r"device_ids=\[0\] and output_device=None only apply to a module on a single GPU"),
+    ({"output_device": 0}, r"leave device_ids and output_device as None for CPU"),
+    ({"device_ids": [0, 1]}, r"device_ids can only be None or contain a single element"),
+    ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of MiB"),
+])
+def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ddpkit.DDP(_mlp(), **kwargs)
+
+
+def test_a_module_without_trainable_parameters_is_refused():
+    with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
+        ddpkit.DDP(_mlp().requires_grad_(False))
