@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.bench.models import build_model, make_batch
-from ddpkit.bench.report import Table, summarize
+from ddpkit.bench.report import Table, median, summarize
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["VARIANTS", "Stepper", "ddpkit_ddp_class", "make_ddp", "make_stepper",
@@ -121,23 +121,31 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
 
 
 def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, steps: int,
-                     warmup: int, device: torch.device) -> dict[Any, list[float]]:
-    """Seconds per step for each stepper, ``repeats`` each, round-robin; max over ranks."""
+                     warmup: int, device: torch.device,
+                     cpu_out: dict[Any, list[float]] | None = None) -> dict[Any, list[float]]:
+    """Seconds per step for each stepper, ``repeats`` each, round-robin; max over ranks.
+
+    ``cpu_out`` receives the process CPU seconds per step as well (all threads of the rank, Gloo's
+    included): on a shared, noisy machine it shows the work done where wall time shows the waiting.
+    """
     names = list(steppers)
     for name in names:
         for _ in range(warmup):
             steppers[name]()
-    times = torch.zeros(len(names), repeats, dtype=torch.float64)
+    times = torch.zeros(2, len(names), repeats, dtype=torch.float64)
     for rep in range(repeats):
         for i, name in enumerate(names):
             barrier(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 steppers[name]()
             synchronize(device)
-            times[i, rep] = (time.perf_counter() - start) / steps
+            times[0, i, rep] = (time.perf_counter() - start) / steps
+            times[1, i, rep] = (time.process_time() - cpu_start) / steps
     times = max_over_ranks(times, device)
-    return {name: times[i].tolist() for i, name in enumerate(names)}
+    if cpu_out is not None:
+        cpu_out.update({name: times[1, i].tolist() for i, name in enumerate(names)})
+    return {name: times[0, i].tolist() for i, name in enumerate(names)}
 
 
 def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
@@ -147,19 +155,21 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
     for model_name in model_names:
         steppers = {v: make_stepper(v, model_name, quick, device) for v in VARIANTS}
         available = {v: s for v, s in steppers.items() if s is not None}
-        timings = time_interleaved(available, repeats, steps, warmup=2, device=device)
+        cpu: dict[str, list[float]] = {}
+        timings = time_interleaved(available, repeats, steps, warmup=2, device=device, cpu_out=cpu)
         for variant in VARIANTS:
             row = {"model": model_name, "variant": variant, "available": variant in timings}
             if variant in timings:
-                row.update(summarize(timings[variant]), times=timings[variant])
+                row.update(summarize(timings[variant]), times=timings[variant],
+                           cpu_median=median(cpu[variant]), cpu_times=cpu[variant])
             rows.append(row)
     return rows
 
 
-def _ratio(rows: list[dict], model: str, a: str, b: str) -> float | None:
+def _ratio(rows: list[dict], model: str, a: str, b: str, key: str = "median") -> float | None:
     by = {r["variant"]: r for r in rows if r["model"] == model and r["available"]}
     if a in by and b in by:
-        return by[a]["median"] / by[b]["median"]
+        return by[a][key] / by[b][key]
     return None
 
 
@@ -167,28 +177,33 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
     table = Table(f"2. DDP step time ({world_size} ranks; per step, {steps} steps per repeat, "
                   "variants interleaved)",
                   ["model", "variant", "median (ms)", "q1 (ms)", "q3 (ms)", "min (ms)", "max (ms)",
-                   "repeats"])
+                   "repeats", "cpu (ms)"])
     for r in rows:
         if not r["available"]:
-            table.add(r["model"], r["variant"], "n/a", "-", "-", "-", "-", "0")
+            table.add(r["model"], r["variant"], "n/a", "-", "-", "-", "-", "0", "-")
             continue
         table.add(r["model"], r["variant"], *(f"{r[k] * 1e3:.2f}" for k in
-                                                ("median", "q1", "q3", "min", "max")), r["n"])
+                                                ("median", "q1", "q3", "min", "max")), r["n"],
+                  f"{r['cpu_median'] * 1e3:.2f}")
     for model in dict.fromkeys(r["model"] for r in rows):
         parts = []
         for a, b in (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor")):
-            ratio = _ratio(rows, model, a, b)
-            parts.append(f"{a}/{b} = {ratio:.3f}" if ratio is not None else f"{a}/{b} = n/a")
+            ratio, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_median")
+            parts.append(f"{a}/{b} = {ratio:.3f} (cpu {cpu:.3f})" if ratio is not None and cpu
+                         else f"{a}/{b} = n/a")
         table.notes.append(f"{model} ({describe.get(model, '')}): " + ", ".join(parts))
+    table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
+                       "ranks): the work done, less sensitive than wall time to a busy machine.")
     if any(not r["available"] for r in rows):
         table.notes.append("n/a: ddpkit.distributed is not available in this checkout.")
     return table
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
-    """ddpkit/torch, ddpkit/floor and torch/floor median ratios per model (for the JSON)."""
+    """ddpkit/torch, ddpkit/floor and torch/floor median ratios per model, wall and CPU."""
     out = {}
     for model in dict.fromkeys(r["model"] for r in rows):
-        out[model] = {f"{a}/{b}": _ratio(rows, model, a, b)
-                      for a, b in (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))}
+        pairs = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
+        out[model] = {f"{a}/{b}": _ratio(rows, model, a, b) for a, b in pairs}
+        out[model].update({f"{a}/{b} cpu": _ratio(rows, model, a, b, "cpu_median") for a, b in pairs})
     return out
