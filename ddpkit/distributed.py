@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join
 
 from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
-from ddpkit.join import DDPJoinHook
+from ddpkit.join import JoinSupport
 from ddpkit.reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -28,7 +28,7 @@ _DEFAULT_BUCKET_CAP_MB = 25
 _BROADCAST_CHUNK_BYTES = 250 * _MIB  # torch's broadcast_bucket_size
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, JoinSupport):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -48,7 +48,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False):
         super().__init__()
-        Joinable.__init__(self)
+        JoinSupport.__init__(self)
         self.module = module
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -64,6 +64,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         named = self._parameters_to_reduce()
         self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
         self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
+        # listed once, as torch does: walking the module tree each forward costs ~1 ms at 400 modules
+        self._buffers_to_sync = list(module.buffers())
         self.reducer: Reducer | None = None
         self._world_of_one_hook: tuple[Any, Callable] | None = None
         if self.world_size > 1:
@@ -195,13 +197,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---- buffers -------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
-        return (self.require_forward_param_sync and self.broadcast_buffers
-                and next(self.module.buffers(), None) is not None)
+        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers_to_sync)
 
     def _sync_buffers(self, active: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active."""
         src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
-        _broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+        _broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
 
     # ---- options -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -222,48 +223,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._world_of_one_hook = (state, hook)  # nothing to average in a world of one
         else:
             self.reducer.register_comm_hook(state, hook)
-
-    # ---- join (uneven inputs) ------------------------------------------------------------------
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False):
-        """Context manager for ranks with different numbers of batches (torch's ``ddp.join``)."""
-        if self.reducer is None:
-            return contextlib.nullcontext()
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
-
-    def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> bool | None:
-        """Tell joined ranks whether this iteration's backward is synced (they contribute 0)."""
-        flag = torch.tensor([0.0 if is_joined_rank or not self.require_backward_grad_sync else 1.0],
-                            device=self.device)
-        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
-        if not is_joined_rank:
-            return None
-        work.wait()
-        return bool(flag.item() != 0)
-
-    def _find_common_rank(self, rank: int, candidate: bool) -> int:
-        """The highest rank among the candidates, agreed by all ranks."""
-        t = torch.tensor([rank if candidate else -1], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        if int(t.item()) < 0:
-            raise RuntimeError("DistributedDataParallel join: no rank could provide the model state.")
-        return int(t.item())
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        src = self._find_common_rank(self.rank, is_last_joiner)
-        self._broadcast_states(src=src, buffers=self.broadcast_buffers)
 
 
 DDP = DistributedDataParallel

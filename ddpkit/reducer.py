@@ -314,33 +314,6 @@ class Reducer:
         self.iterations += 1
         self._reset_iteration()
 
-    # ---- join: a rank out of data mirrors the others' collectives -------------------------------
-    def shadow_backward(self) -> None:
-        """Issue the collectives of one synced backward with zero gradients (joined rank)."""
-        works = []
-        for bucket in self.buckets:
-            zeros = bucket.zeros_like()
-            if self.comm_hook is None:
-                works.append(dist.all_reduce(zeros.flat, group=self.group, async_op=True))
-            else:
-                works.append(self.comm_hook(self.comm_state, zeros))
-        tail = self._launch_tail(False, shadow=True)
-        for work in works:
-            work.wait()
-        if tail is not None:
-            tail[1].wait()
-            if not self._tolerant and int(tail[0].item()):
-                self._raise_shadowed()
-        elif int(zeros.flag.item()):
-            self._raise_shadowed()
-        self.iterations += 1
-        self._reset_iteration()
-
-    def _raise_shadowed(self) -> None:
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (self.rank, []), group=self.group)
-        raise unused_gradient_error(self.rank, everyone, self.static_graph)
-
 
 def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
                           static_graph: bool) -> RuntimeError:

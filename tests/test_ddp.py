@@ -91,7 +91,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
     data = torch.Generator().manual_seed(7 + rank)
     steps = cfg.get("steps", 4) + (2 * rank if cfg.get("uneven") else 0)
     forward_kwargs = {"use_some": rank == 1} if cfg.get("model") == "unused" else {}
-    with ddp.join() if cfg.get("uneven") else contextlib.nullcontext():
+    with ddp.join(**cfg.get("join", {})) if cfg.get("uneven") else contextlib.nullcontext():
         for step in range(steps):
             x = torch.randn(5, IN, generator=data) + rank
             local = cfg.get("accumulate") and step % 3 != 2
@@ -145,12 +145,13 @@ CONFIGS = {
     "fp16_hook": {"hook": "fp16_compress_hook"},
     "bf16_hook": {"hook": "bf16_compress_hook"},
     "join_uneven": {"uneven": True},
+    "join_divide_by_active_ranks": {"uneven": True, "join": {"divide_by_initial_world_size": False}},
     "join_uneven_bn": {"uneven": True, "model": "bn", "kwargs": {"bucket_cap_mb": 0.0003}},
     "join_uneven_unused": {"uneven": True, "model": "unused", "kwargs": {"find_unused_parameters": True}},
 }
 TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2}
 THREE_RANKS = ["defaults", "tiny_buckets", "different_init", "find_unused", "batchnorm_broadcast",
-               "no_sync", "join_uneven", "fp16_hook", "grad_as_bucket_view"]
+               "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view"]
 
 
 def _check(names: list[str], results: list[list[dict]]) -> None:
