@@ -1,6 +1,7 @@
 """ddpkit.save / load: atomic on the main process, survive a killed writer; prefixes; RNG state."""
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -25,7 +26,8 @@ from ddpkit.checkpoint import (
 )
 from ranks import kill_tree, run_ranks
 
-SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
 
 
 class Wrapper(nn.Module):
@@ -85,8 +87,9 @@ def test_save_rejects_a_file_object():
 @pytest.mark.timeout(60)
 def test_writer_killed_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "ckpt.pt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # import ddpkit from this checkout
     child = subprocess.Popen([sys.executable, str(SCRIPTS / "ckpt_killed_writer.py"), str(path)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert child.stdout.readline() == "writing\n"  # half of version 2 is on disk now
         child.send_signal(signal.SIGKILL)

@@ -21,6 +21,7 @@ from ranks import kill_tree
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "train_ddp.py")
 STEPS = ["--steps", "20", "--batch-size", "16"]
+GLOO = ["--backend", "gloo"]  # two workers on the CPU, also on a machine with a single GPU
 CHECKPOINTS = ["--checkpoint-every", "5"]
 CRASH_AT = "10"
 
@@ -112,11 +113,12 @@ def test_python_and_ddpkit_run_with_one_process_print_the_same_losses(tmp_path, 
 @needs_ddp
 @pytest.mark.timeout(120)
 def test_two_workers_with_one_killed_and_restarted_end_bit_for_bit_like_an_uninterrupted_run(tmp_path):
-    uninterrupted = run_example(_torchrun("--nproc-per-node", "2"), *STEPS,
+    uninterrupted = run_example(_torchrun("--nproc-per-node", "2"), *STEPS, *GLOO,
                                 "--out", str(tmp_path / "uninterrupted.pt"))
     assert len(losses(uninterrupted)) == 10  # printed by rank 0 only
     restarted = run_example(
-        _launcher_with_restarts("--nproc-per-node", "2", "--max-restarts", "1"), *STEPS, *CHECKPOINTS,
+        _launcher_with_restarts("--nproc-per-node", "2", "--max-restarts", "1"),
+        *STEPS, *GLOO, *CHECKPOINTS,
         "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "restarted.pt"),
         crash_at=CRASH_AT)
     assert "at step 10" in restarted  # the restarted group resumed from the checkpoint of step 10
