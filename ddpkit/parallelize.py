@@ -101,7 +101,7 @@ def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
 
 def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     dp_class = _data_parallel_class()
-    dp_options = _accepted(dp_class, _DP_OPTIONS) if dp_class is not None else set(_DP_OPTIONS) - set(_CHOSEN_HERE)
+    dp_options = _accepted(dp_class, _DP_OPTIONS) if dp_class else set(_DP_OPTIONS) - set(_CHOSEN_HERE)
     _check_options(options, "a single process (DataParallel)", dp_options | {"devices"})
     env = current_env()
     # a process that ddpkit.init() placed on the CPU (backend="gloo" on a GPU machine) stays there

@@ -60,7 +60,8 @@ def make_model() -> nn.Module:
     )
 
 
-def batch(seed: int, rank: int, step: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(seed: int, rank: int, step: int, size: int,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch at ``step``: a function of its arguments only, so a resumed run sees it too."""
     target = torch.Generator().manual_seed(seed)
     weight = torch.randn(IN_FEATURES, 1, generator=target) / IN_FEATURES ** 0.5

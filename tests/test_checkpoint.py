@@ -173,7 +173,8 @@ def test_load_state_dict_moves_weights_between_wrapped_and_plain_models():
 @pytest.mark.timeout(10)
 def test_load_state_dict_raises_on_a_mismatch_instead_of_guessing():
     other = nn.Sequential(nn.Linear(3, 4))
-    with pytest.raises(RuntimeError, match=r"does not fit Sequential .*Closest, with 'module.' removed: 7 of the model's keys are missing, e.g. \['1.weight'"):
+    with pytest.raises(RuntimeError, match=r"does not fit Sequential .*Closest, with 'module.' removed: "
+                                           r"7 of the model's keys are missing, e.g. \['1.weight'"):
         load_state_dict(_model(), Wrapper(other).state_dict())
     result = load_state_dict(_model(), Wrapper(other).state_dict(), strict=False)
     assert "1.weight" in result.missing_keys and not result.unexpected_keys

@@ -90,7 +90,8 @@ def test_single_process_killed_after_a_checkpoint_resumes_to_the_same_parameters
         tmp_path, single_process_reference):
     reference_stdout, reference = single_process_reference
     assert [s for s, _ in losses(reference_stdout)] == list(range(2, 21, 2))
-    args = [*STEPS, *CHECKPOINTS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.pt")]
+    args = [*STEPS, *CHECKPOINTS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path / "final.pt")]
     with pytest.raises(AssertionError, match=f"exited {-signal.SIGKILL}"):
         run_example([sys.executable], *args, crash_at=CRASH_AT)
     assert not (tmp_path / "final.pt").exists()
