@@ -73,16 +73,17 @@ def batch(seed: int, rank: int, step: int, size: int,
 
 def all_rng_states() -> list[dict]:
     """Every rank's RNG state (dropout draws differ per rank), in rank order."""
-    states = [None] * dist.get_world_size() if dist.is_initialized() else [None]
-    if len(states) > 1:
-        dist.all_gather_object(states, capture_rng_state())
-    else:
-        states[0] = capture_rng_state()
+    state = capture_rng_state()
+    if ddpkit.get_world_size() == 1:
+        return [state]
+    states: list = [None] * ddpkit.get_world_size()
+    dist.all_gather_object(states, state)
     return states
 
 
-def save_checkpoint(directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    rng = all_rng_states()  # a collective: every rank takes part, rank 0 writes
+def save_checkpoint(directory: Path, step: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> None:
+    rng = all_rng_states()  # collectives: every rank takes part, rank 0 writes
     state = {"step": step, "world_size": len(rng), "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "rng": rng}
     ddpkit.save(state, directory / f"step_{step:08d}.pt")
