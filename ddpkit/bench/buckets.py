@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddpkit.bench.ddp_step import Stepper, ddpkit_ddp_class, make_stepper, time_interleaved
-from ddpkit.bench.report import Table, fmt_bytes, summarize
+from ddpkit.bench.report import Table, fmt_bytes, median, summarize
 
 __all__ = ["BUCKET_CAPS_MB", "HOOKS", "sweep_configs", "count_all_reduce", "run_buckets",
            "buckets_table"]
@@ -78,7 +78,8 @@ def run_buckets(model_names: list[str], quick: bool, repeats: int, steps: int,
     for model in model_names:
         configs = sweep_configs()
         steppers = {cfg: _stepper(*cfg, model, quick, device) for cfg in configs}
-        timings = time_interleaved(steppers, repeats, steps, warmup=2, device=device)
+        cpu: dict = {}
+        timings = time_interleaved(steppers, repeats, steps, warmup=2, device=device, cpu_out=cpu)
         for cfg in configs:
             with count_all_reduce() as counted:
                 steppers[cfg]()
@@ -86,21 +87,22 @@ def run_buckets(model_names: list[str], quick: bool, repeats: int, steps: int,
             rows.append({"model": model, "impl": impl, "bucket_cap_mb": cap, "hook": hook,
                          "allreduce_calls": counted["calls"], "allreduce_bytes": counted["bytes"],
                          "sent_bytes_per_rank": counted["bytes"] * 2 * (world_size - 1) / world_size,
-                         **summarize(timings[cfg]), "times": timings[cfg]})
+                         **summarize(timings[cfg]), "times": timings[cfg],
+                         "cpu_median": median(cpu[cfg]), "cpu_times": cpu[cfg]})
     return rows
 
 
 def buckets_table(rows: list[dict], world_size: int) -> Table:
     table = Table(f"3. ddpkit DDP: bucket cap and comm hook ({world_size} ranks; per step)",
                   ["model", "impl", "cap (MB)", "hook", "all-reduces", "all-reduced",
-                   "sent per rank", "median (ms)", "q1 (ms)", "q3 (ms)"])
+                   "sent per rank", "median (ms)", "q1 (ms)", "q3 (ms)", "cpu (ms)"])
     for r in rows:
         counted = r["allreduce_calls"] > 0
         table.add(r["model"], r["impl"], f"{r['bucket_cap_mb']:g}", r["hook"],
                   r["allreduce_calls"] if counted else "-",
                   fmt_bytes(r["allreduce_bytes"]) if counted else "-",
                   fmt_bytes(r["sent_bytes_per_rank"]) if counted else "-",
-                  *(f"{r[k] * 1e3:.2f}" for k in ("median", "q1", "q3")))
+                  *(f"{r[k] * 1e3:.2f}" for k in ("median", "q1", "q3", "cpu_median")))
     table.notes.append("all-reduced: bytes handed to all_reduce per step (measured); sent per rank: "
                        "x 2(n-1)/n for a ring. torch's DDP all-reduces in C++, so it is not counted.")
     if not rows:
