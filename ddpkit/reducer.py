@@ -207,27 +207,29 @@ class Reducer:
             self._join_work = None
         scale = self._scale if self.comm_hook is None else None
         grads = [p.grad for p in bucket.params]
-        copy_src, copy_dst, in_place = [], [], []
+        views, num_big = bucket.views, bucket.num_big
+        copy_src, copy_dst = [], []
         bucket.has_none = False
         with torch.no_grad():
-            for g, v, big in zip(grads, bucket.views, bucket.big):
-                if g is v:
-                    in_place.append(v)
+            for k in range(len(grads)):
+                g, v = grads[k], views[k]
+                if g is v:  # gradient_as_bucket_view: already in place
+                    if k < num_big and scale is not None:
+                        v.mul_(scale)
                 elif g is None:
                     v.zero_()
                     bucket.has_none = True
-                elif big and scale is not None:
+                elif k < num_big and scale is not None:
                     torch.mul(g, scale, out=v)
                 else:
                     copy_src.append(g)
                     copy_dst.append(v)
             if copy_dst:
                 torch._foreach_copy_(copy_dst, copy_src)
-                in_place += copy_dst
-            if in_place and scale is not None:
-                torch._foreach_mul_(in_place, scale)
+            if scale is not None and bucket.small_region.numel():
+                bucket.small_region.mul_(scale)
         if self.as_view:
-            for p, g, v in zip(bucket.params, grads, bucket.views):
+            for p, g, v in zip(bucket.params, grads, views):
                 if g is not None and g is not v:
                     p.grad = v
         bucket.grads = grads
