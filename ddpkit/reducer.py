@@ -98,6 +98,7 @@ class Reducer:
         dist.broadcast(order_t, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._build(order_t.tolist())
         self._rebuilt, self._record = True, None
+        self._reset_iteration()  # the pending counts are per bucket, and the buckets changed
         return True
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:

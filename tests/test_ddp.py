@@ -53,6 +53,17 @@ class Unused(nn.Module):
         return self.out(self.some(h) if use_some else h)
 
 
+class Reordered(nn.Module):
+    """Registered in the reverse of the order it is used: the rebuilt buckets differ in number."""
+
+    def __init__(self):
+        super().__init__()
+        self.out, self.mid, self.inp = nn.Linear(16, 3), nn.Linear(40, 16), nn.Linear(IN, 40)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -60,6 +71,8 @@ def _model(name: str) -> nn.Module:
         return nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     if name == "unused":
         return Unused()
+    if name == "reordered":
+        return Reordered()
     if name == "wide":  # several buckets at the default cap, mixed with tiny tensors
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
     raise ValueError(name)
@@ -129,6 +142,7 @@ CONFIGS = {
     "tiny_buckets": {"kwargs": {"bucket_cap_mb": 0.0002}},
     "wide_default_buckets": {"model": "wide", "steps": 3},
     "different_init": {"different_init": True},
+    "rebuilt_into_fewer_buckets": {"model": "reordered", "kwargs": {"bucket_cap_mb": 800 / 2**20}},
     "grad_as_bucket_view": {"kwargs": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}},
     "grad_as_bucket_view_zeroed": {"kwargs": {"gradient_as_bucket_view": True}, "set_to_none": False},
     "no_sync": {"accumulate": "no_sync", "steps": 6},
