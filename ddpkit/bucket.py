@@ -23,33 +23,44 @@ their shared region, since per-call overhead would dominate (400 small tensors: 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
                    first_cap_bytes: int | None = None) -> list[list[int]]:
-    """Group parameter indices into buckets of at most ``cap_bytes`` (per device and dtype).
+    """Group parameter indices into buckets of at most ``cap_bytes``, per device and dtype.
 
-    Indices are taken in ``order`` (the expected order in which gradients become ready), so the
-    first bucket fills with the first gradients. The first bucket of each (device, dtype) is capped
-    at ``first_cap_bytes`` instead, as torch does. A bucket closes once it reaches its cap, so one
-    tensor larger than the cap gets a bucket of its own. Buckets are returned in the order of their
-    first index in ``order``: the order in which they are expected to fill.
+    Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
+    a bucket closes once it reaches its limit, so a tensor larger than the limit gets a bucket of
+    its own. The first bucket's limit is ``first_cap_bytes`` (torch's small first bucket: the first
+    all-reduce starts early). Where ``first_cap_bytes < cap_bytes`` (the default cap), the later
+    buckets are also kept to about half of the bytes still to come, never below the first cap:
+    the last bucket's all-reduce cannot overlap with backward, so the tail is made of ever smaller
+    buckets (4 x 4 MiB layers: 4 | 8 | 4 MiB, exposing 4 MiB of traffic where torch's 4 | 12 exposes
+    12). Buckets are returned in the order in which they are expected to fill.
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     position = {index: pos for pos, index in enumerate(order)}
-    open_buckets: dict[tuple, tuple[list[int], int]] = {}
-    closed_count: dict[tuple, int] = {}
+    remaining: dict[tuple, int] = {}
+    for index in order:
+        p = params[index]
+        key = (p.device, p.dtype)
+        remaining[key] = remaining.get(key, 0) + p.numel() * p.element_size()
+    open_buckets: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, limit)
     buckets: list[list[int]] = []
     for index in order:
         p = params[index]
         key = (p.device, p.dtype)
-        indices, size = open_buckets.get(key, ([], 0))
+        if key not in open_buckets:
+            first = not any(params[b[0]].device == p.device and params[b[0]].dtype == p.dtype
+                            for b in buckets)
+            limit = first_cap_bytes if first else max(first_cap_bytes, min(cap_bytes, remaining[key] // 2))
+            open_buckets[key] = ([], 0, limit)
+        indices, size, limit = open_buckets[key]
         indices.append(index)
         size += p.numel() * p.element_size()
-        limit = first_cap_bytes if closed_count.get(key, 0) == 0 else cap_bytes
+        remaining[key] -= p.numel() * p.element_size()
         if size >= limit:
             buckets.append(indices)
-            closed_count[key] = closed_count.get(key, 0) + 1
-            open_buckets.pop(key, None)
+            del open_buckets[key]
         else:
-            open_buckets[key] = (indices, size)
-    buckets.extend(indices for indices, _ in open_buckets.values())
+            open_buckets[key] = (indices, size, limit)
+    buckets.extend(indices for indices, _, _ in open_buckets.values())
     buckets.sort(key=lambda indices: position[indices[0]])
     return buckets
 
