@@ -157,6 +157,31 @@ def _properties_worker() -> dict:
     out["full_batch_diff"] = max((p.grad - q.grad).abs().max().item()
                                  for p, q in zip(model.parameters(), reference.parameters()))
 
+    # a custom comm hook sees torch's GradBucket interface, bucket by bucket in order
+    seen: list[tuple] = []
+
+    def averaging_hook(group, bucket):
+        assert all(g.shape == p.shape for g, p in zip(bucket.gradients(), bucket.parameters()))
+        seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters())))
+        averaged = bucket.buffer().clone()
+        dist.all_reduce(averaged, group=group)
+        bucket.set_buffer(averaged / dist.get_world_size(group))
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    hooked = ddpkit.DDP(_mlp(), process_group=group, bucket_cap_mb=0.0003)
+    hooked.register_comm_hook(group, averaging_hook)
+    torch.manual_seed(0)
+    plain = ddpkit.DDP(_mlp(), bucket_cap_mb=0.0003)
+    for ddp in (hooked, plain):
+        ddp(torch.full((2, 8), rank + 1.0)).square().sum().backward()
+    out["hook_calls"] = seen
+    out["hook_diff"] = max((p.grad - q.grad).abs().max().item()
+                           for p, q in zip(hooked.parameters(), plain.parameters()))
+
     # every option and the join path, with torch's DDP machinery booby-trapped
     for kwargs in ({"find_unused_parameters": True}, {"static_graph": True},
                    {"gradient_as_bucket_view": True}):
@@ -174,6 +199,8 @@ def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
         assert out["buckets"] == 4 and out["launches"] == 4
         assert out["launched_before_layer0"] >= 3, "all-reduces did not start before layer 0's gradient"
         assert out["full_batch_diff"] < 1e-6
+        assert out["hook_calls"] == [(0, False, 3), (1, True, 3)]  # 6 tensors of 288 and 32 bytes
+        assert out["hook_diff"] < 1e-6
 
 
 # ---- a world of one, and argument checks (in this process, no process group) ----------------------
