@@ -56,8 +56,9 @@ class Reducer:
         self._cap, self._first_cap = cap_bytes, first_cap_bytes
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self._build(list(reversed(range(len(self.params)))))
-        # Rebuilt once, in the order gradients really arrived, where that order cannot vary.
-        self._rebuilt = not (static_graph or not find_unused_parameters)
+        # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
+        # change from one iteration to the next (find_unused_parameters without static_graph).
+        self._rebuilt = find_unused_parameters and not static_graph
         self._record: list[int] | None = None if self._rebuilt else []
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self._write_mask: list[bool] | None = None  # False: globally unused, leave .grad alone
@@ -163,6 +164,12 @@ class Reducer:
                     "of an earlier iteration. HINT: call forward() again before each backward().")
             return
         ready = self._ready
+        if ready[index] and not self._used[index]:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received "
+                "a gradient, but the forward's output has no autograd path to it, so it was already "
+                "reduced as unused. HINT: return every tensor the loss is computed from in the "
+                "module's output.")
         if ready[index]:
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received "
