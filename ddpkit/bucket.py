@@ -10,10 +10,14 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Bucket", "assign_buckets", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
+__all__ = ["Bucket", "assign_buckets", "DEFAULT_FIRST_BUCKET_BYTES", "MIN_TAIL_BUCKET_BYTES",
+           "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
+
+MIN_TAIL_BUCKET_BYTES = 4 * 1024 * 1024
+"""Halving stops here: below it one more collective costs more than the exposed traffic it saves."""
 
 BIG_PARAM_NUMEL = 16384
 """From this size on a gradient is scaled into its slot with one ``torch.mul(out=)`` (one pass over
@@ -29,7 +33,7 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     a bucket closes once it reaches its limit, so a tensor larger than the limit gets a bucket of
     its own. The first bucket's limit is ``first_cap_bytes`` (torch's small first bucket: the first
     all-reduce starts early). Where ``first_cap_bytes < cap_bytes`` (the default cap), the later
-    buckets are also kept to about half of the bytes still to come, never below the first cap:
+    buckets are also kept to about half of the bytes still to come, never below 4 MiB:
     the last bucket's all-reduce cannot overlap with backward, so the tail is made of ever smaller
     buckets (4 x 4 MiB layers: 4 | 8 | 4 MiB, exposing 4 MiB of traffic where torch's 4 | 12 exposes
     12). Buckets are returned in the order in which they are expected to fill.
@@ -49,7 +53,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
         if key not in open_buckets:
             first = not any(params[b[0]].device == p.device and params[b[0]].dtype == p.dtype
                             for b in buckets)
-            limit = first_cap_bytes if first else max(first_cap_bytes, min(cap_bytes, remaining[key] // 2))
+            limit = (first_cap_bytes if first else cap_bytes if first_cap_bytes >= cap_bytes
+                     else max(MIN_TAIL_BUCKET_BYTES, min(cap_bytes, remaining[key] // 2)))
             open_buckets[key] = ([], 0, limit)
         indices, size, limit = open_buckets[key]
         indices.append(index)
