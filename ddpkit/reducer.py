@@ -154,28 +154,15 @@ class Reducer:
 
     # ---- the hot path --------------------------------------------------------------------------
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: count the gradient in, launch the buckets it completes."""
         if not self._expecting:
             if self._finalized:
                 self._finalized = False
-                raise RuntimeError(
-                    f"DistributedDataParallel on rank {self.rank}: a gradient for "
-                    f"'{self.names[index]}' arrived after this iteration's gradients were already "
-                    "averaged: backward() ran twice through one forward's graph, or through the graph "
-                    "of an earlier iteration. HINT: call forward() again before each backward().")
+                raise self._late_gradient_error(index)
             return
         ready = self._ready
-        if ready[index] and not self._used[index]:
-            raise RuntimeError(
-                f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received "
-                "a gradient, but the forward's output has no autograd path to it, so it was already "
-                "reduced as unused. HINT: return every tensor the loss is computed from in the "
-                "module's output.")
         if ready[index]:
-            raise RuntimeError(
-                f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received "
-                "its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
-                "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "
-                "(use_reentrant=False), or static_graph=True.")
+            raise self._second_gradient_error(index)
         ready[index] = True
         if not self._callback_queued:
             self._callback_queued = True
@@ -183,9 +170,29 @@ class Reducer:
         if self._record is not None:
             self._record.append(index)
         b = self._bucket_of[index]
-        self._pending[b] -= 1
-        if self._pending[b] == 0 and b == self._next_bucket:
+        pending = self._pending
+        left = pending[b] = pending[b] - 1
+        if not left and b == self._next_bucket:
             self._launch_ready_buckets()
+
+    def _late_gradient_error(self, index: int) -> RuntimeError:
+        return RuntimeError(
+            f"DistributedDataParallel on rank {self.rank}: a gradient for '{self.names[index]}' "
+            "arrived after this iteration's gradients were already averaged: backward() ran twice "
+            "through one forward's graph, or through the graph of an earlier iteration. HINT: call "
+            "forward() through the DDP model again before each backward().")
+
+    def _second_gradient_error(self, index: int) -> RuntimeError:
+        name = f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received"
+        if not self._used[index]:
+            return RuntimeError(
+                f"{name} a gradient, but the forward's output has no autograd path to it, so it was "
+                "already reduced as unused. HINT: return every tensor the loss is computed from in "
+                "the module's output.")
+        return RuntimeError(
+            f"{name} its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
+            "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "
+            "(use_reentrant=False), or static_graph=True.")
 
     def _mark_unused(self, indices: Sequence[int]) -> None:
         for i in indices:
@@ -214,19 +221,24 @@ class Reducer:
             self._scale = 1.0 / max(1, int(self._join_work.result()[0].item()))
             self._join_work = None
         scale = self._scale if self.comm_hook is None else None
-        grads = [p.grad for p in bucket.params]
+        grads = bucket.grads = [p.grad for p in bucket.params]
         views, num_big = bucket.views, bucket.num_big
-        copy_src, copy_dst = [], []
-        bucket.has_none = False
+        bucket.has_none = any(g is None for g in grads)
         with torch.no_grad():
-            for k in range(len(grads)):
-                g, v = grads[k], views[k]
+            if scale is not None and not self.as_view and not bucket.has_none:  # the common case
+                for k in range(num_big):
+                    torch.mul(grads[k], scale, out=views[k])
+                if num_big < len(grads):
+                    torch._foreach_copy_(views[num_big:], grads[num_big:])
+                    bucket.small_region.mul_(scale)
+                return
+            copy_src, copy_dst = [], []
+            for k, (g, v) in enumerate(zip(grads, views)):
                 if g is v:  # gradient_as_bucket_view: already in place
                     if k < num_big and scale is not None:
                         v.mul_(scale)
                 elif g is None:
                     v.zero_()
-                    bucket.has_none = True
                 elif k < num_big and scale is not None:
                     torch.mul(g, scale, out=v)
                 else:
@@ -240,7 +252,6 @@ class Reducer:
             for p, g, v in zip(bucket.params, grads, views):
                 if g is not None and g is not v:
                     p.grad = v
-        bucket.grads = grads
 
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:
