@@ -68,7 +68,9 @@ def run_example(command: list[str], *args: str, crash_at: str | None = None, tim
 
 
 def losses(stdout: str) -> list[tuple[int, float]]:
-    return [(int(s), float(v)) for s, v in re.findall(r"^step\s+(\d+)/\d+ loss (\S+)$", stdout, re.M)]
+    """The (step, loss) lines; a launcher may tag them with the rank, as in ``[rank0]: step ...``."""
+    pattern = r"^(?:\[rank\d+\]:? ?)?step\s+(\d+)/\d+ loss (\S+)$"
+    return [(int(s), float(v)) for s, v in re.findall(pattern, stdout, re.M)]
 
 
 def assert_same_parameters(a: Path, b: Path) -> None:
