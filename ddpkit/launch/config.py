@@ -1,0 +1,214 @@
+"""``ddpkit run``'s command line: torchrun's flag names and meanings, parsed into a frozen ``LaunchConfig``.
+
+Every torchrun flag ddpkit supports keeps both spellings (``--nproc-per-node`` and
+``--nproc_per_node``) and, as in torchrun, may come from a ``PET_<NAME>`` environment variable
+(``PET_NNODES=2``), which is how Kubernetes operators configure torchrun. Parsing is pure: it reads the
+``environ`` it is given and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+__all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_GRACE_PERIOD = 30.0  # torchrun's --shutdown-timeout default
+DEFAULT_RDZV_TIMEOUT = 900.0  # torchrun's static rendezvous waits 15 minutes too
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What one ``ddpkit run`` on one node does.
+
+    ``command`` is the worker's full argv (interpreter included unless ``--no-python``);
+    ``master_port`` None means "any free port" on a single node.
+    """
+
+    command: tuple[str, ...]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+    log_dir: str | None = None
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    monitor_interval: float = 0.05
+    run_id: str = "none"
+    role: str = "default"
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def _spellings(name: str) -> list[str]:
+    """torchrun accepts ``--a-b`` and ``--a_b`` for every multi-word flag."""
+    dashed = f"--{name}"
+    underscored = dashed[:2] + dashed[2:].replace("-", "_")
+    return [dashed] if underscored == dashed else [dashed, underscored]
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser; defaults come from ``PET_*`` variables in ``environ`` where torchrun reads them."""
+    environ = os.environ if environ is None else environ
+
+    def pet(dest: str, default: object) -> object:
+        return environ.get(f"PET_{dest.upper()}", default)
+
+    def pet_flag(dest: str) -> bool:
+        return environ.get(f"PET_{dest.upper()}", "0") not in ("", "0")
+
+    p = argparse.ArgumentParser(
+        prog="ddpkit run",
+        description="Start a training script on N processes per node, with torchrun's flags and "
+        "worker environment. The first worker to fail stops the job and is named in a summary.",
+    )
+    p.add_argument(*_spellings("nproc-per-node"), dest="nproc_per_node",
+                   default=pet("nproc_per_node", "1"),
+                   help="workers on this node: an integer, 'gpu' (one per GPU), 'cpu' (one per "
+                   "core) or 'auto' (GPUs if any, else cores). Default 1.")
+    p.add_argument("--nnodes", default=pet("nnodes", "1"),
+                   help="number of nodes (an integer; torchrun's elastic 'MIN:MAX' is not supported).")
+    p.add_argument(*_spellings("node-rank"), dest="node_rank", type=int, default=pet("node_rank", 0),
+                   help="this node's rank in [0, nnodes). Default 0.")
+    p.add_argument(*_spellings("master-addr"), dest="master_addr",
+                   default=pet("master_addr", "127.0.0.1"),
+                   help="address of node 0, reachable from every node. Default 127.0.0.1.")
+    p.add_argument(*_spellings("master-port"), dest="master_port", type=int,
+                   default=pet("master_port", None),
+                   help=f"rendezvous port on node 0 (several nodes: default {DEFAULT_MASTER_PORT}); "
+                   "on a single node the default is a free port the launcher holds itself.")
+    p.add_argument("--standalone", action="store_true", default=pet_flag("standalone"),
+                   help="single node on a free loopback port; --master-addr/--master-port ignored.")
+    p.add_argument(*_spellings("max-restarts"), dest="max_restarts", type=int,
+                   default=pet("max_restarts", 0),
+                   help="restart the whole group up to K times after a failure "
+                   "(TORCHELASTIC_RESTART_COUNT tells the script which attempt it is).")
+    p.add_argument(*_spellings("log-dir"), dest="log_dir", default=pet("log_dir", None),
+                   help="also write each rank's output to DIR/attempt_<k>/rank_<r>.log.")
+    p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float,
+                   default=pet("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
+                   help="seconds the nodes wait for each other (ddpkit's flag). Default 900.")
+    p.add_argument(*_spellings("shutdown-timeout"), "--grace-period", dest="grace_period",
+                   type=float, default=pet("shutdown_timeout", DEFAULT_GRACE_PERIOD),
+                   help="seconds between SIGTERM and SIGKILL when stopping workers. Default 30.")
+    p.add_argument(*_spellings("monitor-interval"), dest="monitor_interval", type=float,
+                   default=pet("monitor_interval", 0.05), help="seconds between worker checks.")
+    p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", "none"),
+                   help="job id, given to workers as TORCHELASTIC_RUN_ID.")
+    p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
+                   default=pet("rdzv_backend", "static"),
+                   help="only 'static' (torchrun's default) is supported.")
+    p.add_argument("--role", default=pet("role", "default"), help="ROLE_NAME given to the workers.")
+    p.add_argument("-m", "--module", action="store_true", default=pet_flag("module"),
+                   help="run the script as a module, like 'python -m'.")
+    p.add_argument(*_spellings("no-python"), dest="no_python", action="store_true",
+                   default=pet_flag("no_python"),
+                   help="run the script as an executable, without 'python' in front.")
+    p.add_argument("training_script", help="the script (or module with -m) every worker runs")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                   help="arguments for the script, passed through untouched")
+    return p
+
+
+def resolve_nproc_per_node(value: str) -> int:
+    """torchrun's meaning: an integer, 'cpu' = CPU count, 'gpu' = GPU count, 'auto' = GPUs else CPUs."""
+    text = str(value).strip().lower()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text == "cpu":
+        return _cpu_count()
+    if text == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError("--nproc-per-node gpu, but torch.cuda.is_available() is False. "
+                             "HINT: give a number, or 'auto' (one worker per CPU when there is no GPU).")
+        return torch.cuda.device_count()
+    if text == "auto":
+        return torch.cuda.device_count() if torch.cuda.is_available() else _cpu_count()
+    raise ValueError(f"--nproc-per-node {value!r} is not a positive integer, 'auto', 'cpu' or 'gpu'.")
+
+
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Parse ``ddpkit run``'s arguments (without the word ``run``).
+
+    Raises:
+        ValueError: a flag has a value ddpkit cannot honour; the message says which and why.
+        SystemExit: argparse's own usage errors and ``--help``.
+    """
+    environ = os.environ if environ is None else environ
+    args = build_parser(environ).parse_args(list(argv))
+    if args.rdzv_backend != "static":
+        raise ValueError(
+            f"--rdzv-backend {args.rdzv_backend!r} is not supported: 'ddpkit run' uses a static "
+            "rendezvous. HINT: give every node --nnodes N --node-rank R --master-addr HOST0 "
+            "--master-port P instead of --rdzv-endpoint.")
+    nnodes = _parse_nnodes(str(args.nnodes))
+    if args.standalone and nnodes != 1:
+        raise ValueError(f"--standalone runs a single node, but --nnodes is {nnodes}.")
+    if not 0 <= args.node_rank < nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in [0, {nnodes}) for --nnodes {nnodes}.")
+    for name in ("max_restarts",):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
+    for name in ("rdzv_timeout", "grace_period", "monitor_interval"):
+        if float(getattr(args, name)) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}.")
+    master_port = None if args.master_port is None else int(args.master_port)
+    if master_port is not None and not 0 < master_port < 65536:
+        raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
+    if nnodes > 1 and master_port is None:
+        master_port = DEFAULT_MASTER_PORT
+    master_addr = str(args.master_addr)
+    run_id = str(args.rdzv_id)
+    if args.standalone:
+        master_addr, master_port, run_id = "127.0.0.1", None, str(uuid.uuid4())
+    return LaunchConfig(
+        command=_worker_command(args), nproc_per_node=resolve_nproc_per_node(args.nproc_per_node),
+        nnodes=nnodes, node_rank=int(args.node_rank), master_addr=master_addr, master_port=master_port,
+        max_restarts=int(args.max_restarts), log_dir=args.log_dir,
+        rdzv_timeout=float(args.rdzv_timeout), grace_period=float(args.grace_period),
+        monitor_interval=float(args.monitor_interval), run_id=run_id, role=str(args.role))
+
+
+def _parse_nnodes(text: str) -> int:
+    low, _, high = text.partition(":")
+    try:
+        count, upper = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r} is not a whole number of nodes.") from None
+    if count != upper:
+        raise ValueError(
+            f"--nnodes {text!r} asks for an elastic range of nodes, which 'ddpkit run' does not "
+            "support. HINT: give the exact number of nodes, e.g. --nnodes "
+            f"{upper}, and the same value on every node.")
+    if count < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {text!r}.")
+    return count
+
+
+def _worker_command(args: argparse.Namespace) -> tuple[str, ...]:
+    rest = tuple(args.training_script_args)
+    if args.no_python:
+        if args.module:
+            raise ValueError("--no-python and -m/--module cannot be combined: a module needs python.")
+        return (args.training_script, *rest)
+    # -u as torchrun does: a worker's lines reach the launcher as they are printed
+    if args.module:
+        return (sys.executable, "-u", "-m", args.training_script, *rest)
+    return (sys.executable, "-u", args.training_script, *rest)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,84 @@
+"""What the launcher says when a job ends: which rank failed, how, and the end of its stderr.
+
+torchrun's answer to a failed worker is a ``ChildFailedError`` whose traceback stays empty unless the
+script was decorated with ``@record``. Here the launcher itself keeps the last lines of every worker's
+stderr, so the failing rank's own Python traceback is in the summary, with nothing asked of the script.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+
+from ddpkit.launch.workers import Worker
+
+__all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
+
+_RULE = "=" * 78
+_MAX_TAIL = 40
+_HINTS = {
+    signal.SIGKILL: "possibly out of memory: the kernel's OOM killer sends SIGKILL (check `dmesg` "
+                    "or the job's memory limit)",
+    signal.SIGSEGV: "a crash in native code (a C/C++/CUDA extension)",
+    signal.SIGBUS: "often a full /dev/shm (shared memory used by DataLoader workers)",
+    signal.SIGABRT: "native code called abort()",
+}
+
+
+def describe_exit(code: int) -> str:
+    """``exit code 1``, or ``SIGKILL (signal 9, exit code 137): possibly out of memory ...``."""
+    if code <= 128 or code - 128 >= signal.NSIG:
+        return f"exit code {code}"
+    sig = signal.Signals(code - 128) if code - 128 in signal.valid_signals() else None
+    if sig is None:
+        return f"exit code {code}"
+    text = f"killed by {sig.name} (signal {int(sig)}, exit code {code})"
+    hint = _HINTS.get(sig)
+    return f"{text}: {hint}" if hint else text
+
+
+def traceback_tail(lines: list[str]) -> list[str]:
+    """From the last Python traceback on (if one is in ``lines``), else the last lines."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    tail = lines[starts[-1]:] if starts else lines
+    return tail[-_MAX_TAIL:]
+
+
+def failure_info(worker: Worker, node_rank: int) -> dict:
+    """What the other nodes are told about a failure on this one (JSON-able)."""
+    return {"node": node_rank, "rank": worker.rank, "pid": worker.pid, "host": socket.gethostname(),
+            "code": worker.exit_code, "how": describe_exit(worker.exit_code or 0)}
+
+
+def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
+                    log_file: str | None) -> str:
+    """The block printed to stderr when a worker on this node failed."""
+    place = failed.place
+    lines = [_RULE, "ddpkit run: the job failed", _RULE,
+             f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
+             f"host {socket.gethostname()}): {describe_exit(failed.exit_code or 0)}"]
+    stopped = [w for w in workers if w.state == "stopped"]
+    if stopped:
+        lines.append("stopped because of it: " + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stopped))
+    tail = traceback_tail(failed.pump.stderr_tail())
+    if tail:
+        lines.append(f"last lines of rank {failed.rank}'s stderr:")
+        lines += [f"  {line}" for line in tail]
+    else:
+        lines.append(f"rank {failed.rank} wrote nothing to stderr.")
+    if log_file:
+        lines.append(f"full output: {log_file}")
+    lines.append(_RULE)
+    return "\n".join(lines)
+
+
+def remote_summary(info: dict, workers: list[Worker]) -> str:
+    """The lines printed on a node whose workers were stopped because of another node."""
+    stopped = ", ".join(f"rank {w.rank}" for w in workers if w.state == "stopped") or "none running"
+    if "lost" in info:
+        cause = info["lost"] + " (node 0's launcher exited or is unreachable)"
+    elif "signal" in info:
+        cause = f"the launcher of node {info['node']} received {info['signal']}"
+    else:
+        cause = (f"rank {info['rank']} on node {info['node']} (host {info['host']}, pid {info['pid']}) "
+                 f"failed: {info['how']}; its launcher prints the details")
+    return f"ddpkit run: stopping: {cause}.\nddpkit run: stopped on this node: {stopped}."

@@ -1,0 +1,189 @@
+"""Run the job on this node: start the workers, watch them, stop them whole, restart, report.
+
+One attempt reads as its steps: meet the other nodes, start every local worker, watch until all succeed
+or one fails (or a signal or another node says stop), stop the rest (SIGTERM, SIGKILL after the grace
+period, trees included), then summarise. With --max-restarts the whole group starts again with
+TORCHELASTIC_RESTART_COUNT one higher, so a script can resume from its last checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.logs import log_path
+from ddpkit.launch.rendezvous import Layout, make_rendezvous
+from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
+from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
+from ddpkit.launch.workers import (Placement, Worker, kill_leftovers, signal_worker, spawn_worker,
+                                   worker_env)
+
+__all__ = ["Outcome", "Supervisor", "run"]
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended: "succeeded", "failed" (here), "remote" (another node) or "signal"."""
+
+    kind: str
+    code: int = 0
+    failed: Worker | None = None
+    remote: dict | None = None
+
+
+def _say(message: str) -> None:
+    print(f"ddpkit run: {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    """The launcher of one node. ``run()`` returns the exit code for the whole ``ddpkit run``."""
+
+    def __init__(self, config: LaunchConfig, environ: dict[str, str] | None = None):
+        self.config = config
+        self.environ = dict(os.environ if environ is None else environ)
+        self.rendezvous = make_rendezvous(config)
+        self.stop_signal: signal.Signals | None = None
+        self._inbox: SignalInbox | None = None
+        self._workers: list[Worker] = []
+        # children we had before the job (e.g. when called in-process) are not ours to kill
+        self._keep = {p.pid for p in psutil.Process().children()}
+
+    def run(self) -> int:
+        with SignalInbox() as self._inbox:
+            try:
+                layout = self.rendezvous.join(self._aborted)
+                for attempt in range(self.config.max_restarts + 1):
+                    outcome = self.run_attempt(attempt, layout)
+                    if outcome.kind in ("succeeded", "signal") or attempt == self.config.max_restarts:
+                        return outcome.code
+                    _say(f"restarting all workers: restart {attempt + 1} of at most "
+                         f"{self.config.max_restarts} (TORCHELASTIC_RESTART_COUNT={attempt + 1})")
+                return 1  # unreachable: the loop returns on its last attempt
+            except RuntimeError as e:
+                _say(f"error: {e}")
+                return 128 + self.stop_signal if self.stop_signal else 1
+            finally:
+                self.rendezvous.close()
+
+    # ------------------------------------------------------------------------------------- attempt
+    def run_attempt(self, attempt: int, layout: Layout) -> Outcome:
+        master_addr, master_port = self.rendezvous.begin_attempt(attempt, self._aborted)
+        if self.stop_signal is not None:
+            return Outcome("signal", 128 + self.stop_signal)
+        self._workers = self.start_workers(attempt, layout, master_addr, master_port)
+        try:
+            outcome = self.watch()
+        finally:
+            self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
+        if outcome.kind == "failed":
+            self.rendezvous.report_failure(attempt, failure_info(outcome.failed, self.config.node_rank))
+            log = log_path(self.config.log_dir, attempt, outcome.failed.rank) if self.config.log_dir else None
+            print(failure_summary(outcome.failed, self._workers, self.config.node_rank, log),
+                  file=sys.stderr, flush=True)
+        elif outcome.kind == "signal":
+            self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
+                                                     "signal": self.stop_signal.name})
+            _say(f"received {self.stop_signal.name}: stopped all workers")
+        elif outcome.kind == "succeeded":
+            remote = self.rendezvous.finish_attempt(attempt, self._aborted)
+            if remote is not None:
+                outcome = Outcome("remote", remote.get("code") or 1, remote=remote)
+            elif self.stop_signal is not None:
+                outcome = Outcome("signal", 128 + self.stop_signal)
+            else:
+                _say(f"all {len(self._workers)} workers on node {self.config.node_rank} succeeded")
+        if outcome.kind == "remote":
+            _say(remote_summary(outcome.remote, self._workers).removeprefix("ddpkit run: "))
+        return outcome
+
+    def start_workers(self, attempt: int, layout: Layout, master_addr: str,
+                      master_port: int) -> list[Worker]:
+        cfg = self.config
+        workers = []
+        for local_rank in range(cfg.nproc_per_node):
+            place = Placement(layout.rank_offset + local_rank, local_rank, layout.world_size,
+                              cfg.nproc_per_node, cfg.node_rank, layout.nnodes)
+            env = worker_env(self.environ, place, master_addr=master_addr, master_port=master_port,
+                             attempt=attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
+                             role=cfg.role)
+            log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None
+            workers.append(spawn_worker(cfg.command, env, place, log))
+        first, last = workers[0].rank, workers[-1].rank
+        _say(f"attempt {attempt}: started ranks {first}-{last} of {layout.world_size} on node "
+             f"{cfg.node_rank} (pids {' '.join(str(w.pid) for w in workers)}), store "
+             f"{master_addr}:{master_port}")
+        return workers
+
+    def watch(self) -> Outcome:
+        """Poll until every worker succeeded, one failed, a stopping signal came or another node failed."""
+        while True:
+            self._handle_signals()
+            if self.stop_signal is not None:
+                return Outcome("signal", 128 + self.stop_signal)
+            for worker in self._workers:
+                returncode = worker.process.poll()
+                if returncode is None or worker.state != "running":
+                    continue
+                worker.exit_code = 128 - returncode if returncode < 0 else returncode
+                worker.state = "succeeded" if returncode == 0 else "failed"
+                if worker.state == "failed":
+                    return Outcome("failed", worker.exit_code, failed=worker)
+            if all(w.state == "succeeded" for w in self._workers):
+                return Outcome("succeeded")
+            remote = self.rendezvous.remote_failure()
+            if remote is not None:
+                return Outcome("remote", remote.get("code") or 1, remote=remote)
+            time.sleep(self.config.monitor_interval)
+
+    def stop_workers(self, workers: list[Worker], sig: int) -> None:
+        """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers."""
+        running = [w for w in workers if w.process.poll() is None]
+        for worker in running:
+            signal_worker(worker, sig)
+        deadline = time.monotonic() + self.config.grace_period
+        while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
+            before = self.stop_signal
+            self._handle_signals()
+            if before is not None and self._inbox_had_stop:
+                break  # a second Ctrl-C: do not wait out the grace period
+            time.sleep(0.02)
+        kill_leftovers(workers, self._keep)
+        for worker in workers:
+            if worker.state == "running":
+                worker.state = "stopped"
+                worker.exit_code = worker.process.returncode
+        for worker in workers:
+            if not worker.pump.join(timeout=2.0):
+                _say(f"rank {worker.rank}'s output pipe is still held open by a process outside "
+                     "its tree; not waiting for it")
+
+    # ------------------------------------------------------------------------------------- signals
+    _inbox_had_stop = False
+
+    def _handle_signals(self) -> None:
+        """Stopping signals end the job (the first one is kept); USR1/USR2 go on to the workers."""
+        self._inbox_had_stop = False
+        assert self._inbox is not None
+        for sig in self._inbox.take():
+            if sig in STOPPING:
+                self._inbox_had_stop = True
+                if self.stop_signal is None:
+                    self.stop_signal = sig
+            elif sig in FORWARDED:
+                for worker in self._workers:
+                    if worker.process.poll() is None:
+                        signal_worker(worker, sig, tree=False)
+
+    def _aborted(self) -> bool:
+        self._handle_signals()
+        return self.stop_signal is not None
+
+
+def run(config: LaunchConfig, environ: dict[str, str] | None = None) -> int:
+    """Run ``config`` on this node; returns the exit code ``ddpkit run`` should exit with."""
+    return Supervisor(config, environ).run()
