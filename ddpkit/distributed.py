@@ -49,6 +49,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                  static_graph: bool = False):
         super().__init__()
         JoinSupport.__init__(self)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
         self.module = module
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -66,16 +68,11 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
         # listed once, as torch does: walking the module tree each forward costs ~1 ms at 400 modules
         self._buffers_to_sync = list(module.buffers())
-        self.reducer: Reducer | None = None
-        self._world_of_one_hook: tuple[Any, Callable] | None = None
+        self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:
             self._verify_same_parameters()
             self._broadcast_states(src=0, buffers=broadcast_buffers)
-            self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
-                                   self.bucket_bytes_cap, first_cap,
-                                   find_unused_parameters=find_unused_parameters,
-                                   gradient_as_bucket_view=gradient_as_bucket_view,
-                                   static_graph=static_graph)
+            self.reducer = self._make_reducer(named, first_cap)
 
     # ---- construction steps --------------------------------------------------------------------
     def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
@@ -123,6 +120,13 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                     f"DistributedDataParallel needs the same parameters and buffers on every rank, but "
                     f"{problem} (this is rank {self.rank}). HINT: build the model identically on every "
                     "rank (same arguments, same code path) before wrapping it.")
+
+    def _make_reducer(self, named: list[tuple[str, nn.Parameter]], first_cap: int) -> Reducer:
+        return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
+                       self.bucket_bytes_cap, first_cap,
+                       find_unused_parameters=self.find_unused_parameters,
+                       gradient_as_bucket_view=self.gradient_as_bucket_view,
+                       static_graph=self.static_graph)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_parameters()
@@ -219,9 +223,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
-        if self.reducer is None:
-            self._world_of_one_hook = (state, hook)  # nothing to average in a world of one
-        else:
+        if self.reducer is not None:  # a world of one has nothing to average: the hook never runs
             self.reducer.register_comm_hook(state, hook)
 
 

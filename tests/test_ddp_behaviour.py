@@ -235,6 +235,11 @@ def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
         ddpkit.DDP(_mlp(), **kwargs)
 
 
+def test_something_other_than_a_module_is_refused():
+    with pytest.raises(TypeError, match="wraps a torch.nn.Module, got function"):
+        ddpkit.DDP(lambda x: x)
+
+
 def test_a_module_without_trainable_parameters_is_refused():
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
         ddpkit.DDP(_mlp().requires_grad_(False))
