@@ -1,0 +1,89 @@
+"""Worker for tests/test_launch.py, started by ``ddpkit run`` (or torchrun) with torchrun's variables.
+
+    python tests/scripts/launch_worker.py OUT_DIR MODE [ARGS...]
+
+Every rank first writes ``OUT_DIR/pids_<rank>_<attempt>.json`` ({"pid": ..., "child": ...}) so the test
+knows every process of the job. Modes:
+
+- ``allreduce``: ddpkit.init(), all-reduce rank + 1, write ``OUT_DIR/result_<rank>.json`` with the sum,
+  the detected launcher, the torchrun variables and this script's arguments.
+- ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError; others block.
+- ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
+- ``block``: start a grandchild and block until killed.
+- ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
+
+Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+             "TORCHELASTIC_USE_AGENT_STORE", "DDPKIT_LAUNCHER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # the test polls for the file: it must appear complete
+
+
+def _record(out: str, rank: int, attempt: str, child: int | None = None) -> None:
+    _write(os.path.join(out, f"pids_{rank}_{attempt}.json"), {"pid": os.getpid(), "child": child})
+
+
+def _grandchild() -> int:
+    # no new session: it stays in the worker's process group, as a DataLoader worker would
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
+
+
+def _block() -> None:
+    threading.Event().wait()
+
+
+def main() -> None:
+    out, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rank, attempt = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    target = int(args[0]) if args and mode != "allreduce" else None
+    child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
+    _record(out, rank, attempt, child)
+    print(f"rank {rank} started", flush=True)
+
+    if mode == "allreduce":
+        import torch
+
+        import ddpkit
+
+        env = ddpkit.init()
+        total = torch.tensor([float(rank + 1)])
+        ddpkit.all_reduce(total)
+        result = {"sum": total.item(), "launcher": env.launcher, "args": args,
+                  "env": {name: os.environ.get(name) for name in VARIABLES}}
+        _write(os.path.join(out, f"result_{rank}.json"), result)
+        print(f"sum {total.item()}", flush=True)
+        ddpkit.shutdown()
+    elif mode == "fail" and rank == target:
+        print("about to fail", file=sys.stderr, flush=True)
+        raise ValueError(f"boom on rank {rank}")
+    elif mode == "sigkill" and rank == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif mode == "fail-once":
+        if attempt == "0" and rank == target:
+            raise RuntimeError("first attempt fails")
+        if attempt == "0":
+            _block()
+        _write(os.path.join(out, f"result_{rank}.json"), {"restart_count": attempt})
+    else:
+        _block()
+
+
+if __name__ == "__main__":
+    main()

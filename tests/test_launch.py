@@ -1,0 +1,252 @@
+"""``ddpkit run`` end to end: real launchers, real workers, and no process of a job left behind.
+
+Every worker writes its pid (and its child's) to a file in tmp_path before doing anything else, so each
+test knows every process its job created and checks with psutil that all of them are gone.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.ranks import kill_tree
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "scripts" / "launch_worker.py")
+TORCHRUN_STYLE = str(REPO / "tests" / "scripts" / "launch_torchrun_style.py")
+_LAUNCH_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_",
+                    "TORCHELASTIC_", "PET_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "DDPKIT_", "OMP_NUM")
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment without any launcher's variables, importing this checkout's ddpkit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+class Job:
+    """Launchers started by one test; ``cleanup`` kills whatever a failed test left running."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.launchers: list[subprocess.Popen] = []
+
+    def start(self, *args: str, command: tuple[str, ...] = ("-m", "ddpkit", "run")) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, *command, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_clean_env(), cwd=REPO)
+        self.launchers.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 45, **kw) -> tuple[int, str, str]:
+        proc = self.start(*args, **kw)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+
+    def pids(self) -> set[int]:
+        """Every process the workers reported: themselves and their children."""
+        pids = set()
+        for path in glob.glob(str(self.out / "pids_*.json")):
+            record = json.loads(Path(path).read_text())
+            pids.update(p for p in (record["pid"], record["child"]) if p)
+        return pids
+
+    def wait_for_pid_files(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(glob.glob(str(self.out / "pids_*.json"))) < count:
+            if any(p.poll() is not None for p in self.launchers):
+                raise AssertionError(f"a launcher exited early: {[p.communicate() for p in self.launchers]}")
+            assert time.monotonic() < deadline, f"{count} workers did not start within {timeout} s"
+            time.sleep(0.05)
+
+    def results(self) -> dict[int, dict]:
+        return {int(Path(p).stem.split("_")[1]): json.loads(Path(p).read_text())
+                for p in glob.glob(str(self.out / "result_*.json"))}
+
+    def cleanup(self) -> None:
+        for proc in self.launchers:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+            proc.communicate()
+        for pid in self.pids():
+            kill_tree(pid, grace=0.5)
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.cleanup()
+
+
+def assert_all_gone(pids: set[int], timeout: float = 10) -> None:
+    """Every pid has exited (a zombie counts as gone: it runs nothing)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    running = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                running.append((p.pid, p.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    assert not running, f"processes of the job still running: {running}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------ success
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_all_reduce_with_torchrun_variables(job, tmp_path):
+    logs = tmp_path / "logs"
+    code, out, err = job.run("--nproc_per_node", "2", "--log-dir", str(logs), WORKER, str(tmp_path),
+                             "allreduce", "--nproc-per-node", "7", "x y")
+    assert code == 0, err
+    results = job.results()
+    assert sorted(results) == [0, 1]
+    cores = len(os.sched_getaffinity(0))
+    for rank, result in results.items():
+        assert result["sum"] == 3.0 and result["launcher"] == "ddpkit"
+        assert result["args"] == ["--nproc-per-node", "7", "x y"]  # the script's own, untouched
+        env = result["env"]
+        assert env["MASTER_PORT"].isdigit()
+        assert {k: v for k, v in env.items() if k not in ("MASTER_PORT", "TORCHELASTIC_RUN_ID")} == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "DDPKIT_LAUNCHER": "ddpkit",
+            "OMP_NUM_THREADS": str(max(1, cores // 2)), "PYTHONUNBUFFERED": "1"}
+    assert "[rank0]: sum 3.0" in out.splitlines() and "[rank1]: sum 3.0" in out.splitlines()
+    assert (logs / "attempt_0" / "rank_1.log").read_text().splitlines()[0] == "rank 1 started"
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(90)
+def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
+    port = str(_free_port())
+    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
+                       "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout", "60",
+                       WORKER, str(tmp_path), "allreduce") for r in (0, 1)]
+    outputs = [node.communicate(timeout=80) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    results = job.results()
+    assert sorted(results) == [0, 1, 2, 3]
+    assert {r["sum"] for r in results.values()} == {10.0}
+    assert [results[r]["env"]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
+    assert {results[r]["env"]["WORLD_SIZE"] for r in range(4)} == {"4"}
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_torchrun_script_runs_under_ddpkit_run(job, tmp_path):
+    code, _, err = job.run("--nproc-per-node", "2", TORCHRUN_STYLE, str(tmp_path))
+    assert code == 0, err
+    assert {r: (v["sum"], v["world_size"], v["local_rank"]) for r, v in job.results().items()} == {
+        0: (3.0, 2, 0), 1: (3.0, 2, 1)}
+
+
+@pytest.mark.timeout(60)
+def test_ddpkit_script_runs_under_torchrun(job, tmp_path):
+    code, _, err = job.run("--standalone", "--nproc-per-node", "2", WORKER, str(tmp_path), "allreduce",
+                           command=("-m", "torch.distributed.run"))
+    assert code == 0, err
+    results = job.results()
+    assert {r["sum"] for r in results.values()} == {3.0}
+    assert {r["launcher"] for r in results.values()} == {"torchrun"}
+    assert_all_gone(job.pids())
+
+
+# ------------------------------------------------------------------------------------------ failure
+
+
+@pytest.mark.timeout(60)
+def test_worker_exception_stops_the_job_with_its_traceback(job, tmp_path):
+    start = time.monotonic()
+    code, _, err = job.run("--nproc-per-node", "2", "--grace-period", "5", WORKER, str(tmp_path),
+                           "fail", "1")
+    assert time.monotonic() - start < 30
+    assert code == 1, err
+    summary = err[err.index("the job failed"):]
+    assert "rank 1 (node 0, local rank 1" in summary and "exit code 1" in summary
+    assert "Traceback (most recent call last)" in summary and "ValueError: boom on rank 1" in summary
+    assert "stopped because of it: rank 0" in summary
+    pids = job.pids()
+    assert len(pids) == 3  # two workers and rank 1's child
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_by_sigkill_is_named_with_an_oom_hint(job, tmp_path):
+    code, _, err = job.run("--nproc-per-node", "2", "--grace-period", "5", WORKER, str(tmp_path),
+                           "sigkill", "0")
+    assert code == 128 + signal.SIGKILL, err
+    assert "rank 0 (node 0" in err and "killed by SIGKILL" in err and "out of memory" in err
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_restart_increments_the_restart_count(job, tmp_path):
+    code, _, err = job.run("--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "5",
+                           WORKER, str(tmp_path), "fail-once", "1")
+    assert code == 0, err
+    assert "restarting all workers: restart 1 of at most 2" in err
+    assert {r: v["restart_count"] for r, v in job.results().items()} == {0: "1", 1: "1"}
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_missing_node_times_out_naming_it(job, tmp_path):
+    start = time.monotonic()
+    code, _, err = job.run("--nnodes", "2", "--node-rank", "0", "--master-port", str(_free_port()),
+                           "--rdzv-timeout", "2", WORKER, str(tmp_path), "block")
+    assert time.monotonic() - start < 30
+    assert code == 1
+    assert "1 of 2 nodes joined (node ranks 0); did not join: node rank(s) 1" in err
+    assert not job.pids()  # no worker was started
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+@pytest.mark.timeout(60)
+def test_launcher_killed_with_sigkill_leaves_no_worker(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "2", WORKER, str(tmp_path), "block")
+    job.wait_for_pid_files(2)
+    workers = {json.loads(Path(p).read_text())["pid"] for p in glob.glob(str(tmp_path / "pids_*"))}
+    launcher.kill()
+    launcher.communicate(timeout=10)
+    assert_all_gone(workers)  # their children survive a SIGKILLed launcher: see the report
+
+
+@pytest.mark.timeout(60)
+def test_sigint_to_the_launcher_stops_every_worker_and_child(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "2", "--grace-period", "10", WORKER, str(tmp_path), "block")
+    job.wait_for_pid_files(2)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT: stopped all workers" in err
+    pids = job.pids()
+    assert len(pids) == 4
+    assert_all_gone(pids)
