@@ -167,19 +167,23 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
-            unused = self._unreached_parameters(output) if self.find_unused_parameters else ()
+            outputs = [t for t in _find_tensors(output) if t.requires_grad]
+            unused = self._unreached_parameters(outputs) if self.find_unused_parameters else ()
             self.reducer.prepare_for_backward(unused)
+            for t in outputs:
+                if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
+                    t.register_hook(self.reducer.output_gradient_hook())
         else:
             self.require_forward_param_sync = False
             self.reducer.prepare_for_local_backward()
         return output
 
-    def _unreached_parameters(self, output: Any) -> list[int]:
-        """Indices of the parameters the output's autograd graph does not reach (torch's search)."""
+    def _unreached_parameters(self, outputs: list[torch.Tensor]) -> list[int]:
+        """Indices of the parameters the outputs' autograd graph does not reach (torch's search)."""
         index_of = self.reducer.index_of
         reached: set[int] = set()
         stack = []
-        for t in _find_tensors(output):
+        for t in outputs:
             if t.grad_fn is not None:
                 stack.append(t.grad_fn)
             elif id(t) in index_of:

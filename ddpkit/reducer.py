@@ -61,6 +61,7 @@ class Reducer:
         self._rebuilt = find_unused_parameters and not static_graph
         self._record: list[int] | None = None if self._rebuilt else []
         self.iterations = 0  # synced backward passes, real or shadowed (join)
+        self.forwards = 0  # synced forward passes
         self._write_mask: list[bool] | None = None  # False: globally unused, leave .grad alone
         self._static_unused: list[int] = []
         self._join_work = None
@@ -143,10 +144,24 @@ class Reducer:
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach."""
         self._expecting, self._finalized = True, False
+        self.forwards += 1
         if self.find_unused:
             self._mark_unused(unused)
         elif self.static_graph and self.iterations > 0:
             self._mark_unused(self._static_unused)
+
+    def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
+        """A hook for this forward's outputs: backward through an older forward's graph raises."""
+        forward = self.forwards
+
+        def check(grad: torch.Tensor) -> None:
+            if forward != self.forwards:
+                raise RuntimeError(
+                    f"DistributedDataParallel on rank {self.rank}: backward() reached the output of "
+                    f"forward pass {forward}, but forward pass {self.forwards} came after it; its "
+                    "gradients would be averaged as if they were the new ones. HINT: call backward() "
+                    "on each forward's loss before the next forward (retain_graph only inside no_sync()).")
+        return check
 
     def prepare_for_local_backward(self) -> None:
         """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""

@@ -68,6 +68,16 @@ def _misuse_worker() -> dict[str, str | None]:
         loss.backward(retain_graph=True)
         loss.backward()
 
+    def backward_through_an_older_graph():
+        old = ddp(torch.ones(2, 8)).sum()
+        old.backward(retain_graph=True)
+        new = ddp(torch.ones(2, 8)).sum()
+        try:
+            old.backward()
+        finally:
+            new.backward()
+
+    out["older_graph"] = _error_of(backward_through_an_older_graph)
     out["forward_twice"] = _error_of(forward_twice)
     out["backward_twice"] = _error_of(backward_twice)
     ddp(torch.ones(2, 8)).sum().backward()  # still usable after those errors
@@ -98,6 +108,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
             assert f"(this is rank {rank})" in out[key]
         assert "rank 0: 'some.weight', 'some.bias'; rank 1: 'some.weight'" in out["unused_everywhere"]
         assert "static_graph=True" in out["static_changed"] and "rank 1: 'some.weight'" in out["static_changed"]
+        assert "backward() reached the output of forward pass 1, but forward pass 2" in out["older_graph"]
         assert "forward() was called again before the previous forward's gradients" in out["forward_twice"]
         assert "arrived after this iteration's gradients were already averaged" in out["backward_twice"]
         assert out["recovered"] is None
