@@ -20,6 +20,7 @@ from ddpkit.launch.logs import log_path
 from ddpkit.launch.rendezvous import Layout, make_rendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
+from ddpkit.launch.watchdog import Watchdog
 from ddpkit.launch.workers import (Placement, Worker, kill_leftovers, signal_worker, spawn_worker,
                                    worker_env)
 
@@ -52,10 +53,13 @@ class Supervisor:
         self._workers: list[Worker] = []
         # children we had before the job (e.g. when called in-process) are not ours to kill
         self._keep = {p.pid for p in psutil.Process().children()}
+        self._watchdog: Watchdog | None = None
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
             try:
+                self._watchdog = Watchdog()
+                self._keep.add(self._watchdog.pid or 0)
                 layout = self.rendezvous.join(self._aborted)
                 for attempt in range(self.config.max_restarts + 1):
                     outcome = self.run_attempt(attempt, layout)
@@ -69,6 +73,8 @@ class Supervisor:
                 return 128 + self.stop_signal if self.stop_signal else 1
             finally:
                 self.rendezvous.close()
+                if self._watchdog is not None:
+                    self._watchdog.close()
 
     # ------------------------------------------------------------------------------------- attempt
     def run_attempt(self, attempt: int, layout: Layout) -> Outcome:
@@ -113,6 +119,8 @@ class Supervisor:
                              role=cfg.role)
             log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None
             workers.append(spawn_worker(cfg.command, env, place, log))
+            if self._watchdog is not None:
+                self._watchdog.add(workers[-1].pid)
         first, last = workers[0].rank, workers[-1].rank
         _say(f"attempt {attempt}: started ranks {first}-{last} of {layout.world_size} on node "
              f"{cfg.node_rank} (pids {' '.join(str(w.pid) for w in workers)}), store "
