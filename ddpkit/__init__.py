@@ -3,67 +3,43 @@
 Its own DistributedDataParallel (Python buckets and overlapped all-reduce on torch.distributed), a
 single-process DataParallel that also runs on CPU devices, collectives that work in a world of one,
 environment detection for torchrun / SLURM / MPI, and a launcher (``ddpkit run``).
-
-Names are imported on first use, so ``import ddpkit`` stays cheap for the launcher and the CLI.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+# Imported eagerly, as torch.nn.parallel does: several modules share their name with the function
+# they export (replicate, parallel_apply, data_parallel, parallelize). Importing them here, once,
+# leaves the package attribute bound to the function for good.
+from ddpkit.env import DistEnv, detect, expand_hostlist
+from ddpkit.process_group import (get_local_rank, get_rank, get_world_size, init, is_initialized,
+                                  is_main_process, shutdown)
+from ddpkit.comm import all_gather, all_reduce, barrier, broadcast, broadcast_object, reduce_scatter
+from ddpkit.replicate import replicate
+from ddpkit.scatter_gather import gather, scatter, scatter_kwargs
+from ddpkit.parallel_apply import parallel_apply
+from ddpkit.data_parallel import DataParallel, data_parallel
+from ddpkit.distributed import DDP, DistributedDataParallel
+from ddpkit import hooks
+from ddpkit.parallelize import parallelize
+from ddpkit.checkpoint import load, save
+from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point
+
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_EXPORTS: dict[str, str] = {
-    # environment and process group
-    "DistEnv": "ddpkit.env",
-    "detect": "ddpkit.env",
-    "expand_hostlist": "ddpkit.env",
-    "init": "ddpkit.process_group",
-    "shutdown": "ddpkit.process_group",
-    "get_rank": "ddpkit.process_group",
-    "get_world_size": "ddpkit.process_group",
-    "get_local_rank": "ddpkit.process_group",
-    "is_main_process": "ddpkit.process_group",
-    "is_initialized": "ddpkit.process_group",
-    # collectives
-    "all_reduce": "ddpkit.comm",
-    "broadcast": "ddpkit.comm",
-    "broadcast_object": "ddpkit.comm",
-    "all_gather": "ddpkit.comm",
-    "reduce_scatter": "ddpkit.comm",
-    "barrier": "ddpkit.comm",
-    # single-process DataParallel
-    "replicate": "ddpkit.replicate",
-    "scatter": "ddpkit.scatter_gather",
-    "scatter_kwargs": "ddpkit.scatter_gather",
-    "gather": "ddpkit.scatter_gather",
-    "parallel_apply": "ddpkit.parallel_apply",
-    "DataParallel": "ddpkit.data_parallel",
-    "data_parallel": "ddpkit.data_parallel",
-    # DistributedDataParallel
-    "DistributedDataParallel": "ddpkit.distributed",
-    "DDP": "ddpkit.distributed",
-    # one script everywhere
-    "parallelize": "ddpkit.parallelize",
-    "save": "ddpkit.checkpoint",
-    "load": "ddpkit.checkpoint",
-    "print": "ddpkit.logging",
-}
-_SUBMODULES = ("env", "process_group", "comm", "hooks", "launch", "bench")
+__all__ = [
+    "DDP", "DataParallel", "DistEnv", "DistributedDataParallel", "all_gather", "all_reduce", "barrier",
+    "broadcast", "broadcast_object", "data_parallel", "detect", "expand_hostlist", "gather",
+    "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
+    "is_main_process", "load", "parallel_apply", "parallelize", "print", "reduce_scatter",
+    "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "__version__",
+]
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+_LAZY_SUBMODULES = ("launch", "bench")  # command-line tools: not needed to train
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"ddpkit.{name}")
     raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

@@ -1,0 +1,67 @@
+"""The public surface of API.md: every name is there, and is the function, not a same-named module."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import subprocess
+import sys
+
+import torch
+
+import ddpkit
+
+API_NAMES = ["init", "shutdown", "get_rank", "get_world_size", "is_main_process", "all_reduce",
+             "broadcast", "broadcast_object", "all_gather", "reduce_scatter", "barrier", "replicate",
+             "scatter", "scatter_kwargs", "parallel_apply", "gather", "DataParallel", "data_parallel",
+             "DistributedDataParallel", "DDP", "parallelize", "save", "load", "print"]
+
+
+def test_every_api_name_is_exported_and_callable():
+    for name in API_NAMES:
+        assert callable(getattr(ddpkit, name)), name
+        assert name in ddpkit.__all__, name
+    assert ddpkit.DDP is ddpkit.DistributedDataParallel
+    for hook in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        assert callable(getattr(ddpkit.hooks, hook))
+
+
+def test_importing_a_submodule_never_shadows_the_function_of_the_same_name():
+    for module in ("replicate", "parallel_apply", "data_parallel", "parallelize", "logging"):
+        importlib.import_module(f"ddpkit.{module}")
+    assert inspect.isfunction(ddpkit.data_parallel) and inspect.isfunction(ddpkit.parallelize)
+    assert inspect.isfunction(ddpkit.replicate) and inspect.isfunction(ddpkit.parallel_apply)
+    out = ddpkit.data_parallel(torch.nn.Linear(3, 2), torch.ones(4, 3), device_ids=["cpu", "cpu"])
+    assert out.shape == (4, 2)
+
+
+# API.md's signatures: torch's arguments and defaults (newer torch spells some defaults None)
+API_SIGNATURES = {
+    "DistributedDataParallel": dict(device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                                    process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+                                    gradient_as_bucket_view=False, static_graph=False),
+    "DataParallel": dict(device_ids=None, output_device=None, dim=0),
+    "replicate": dict(detach=False),
+    "scatter": dict(dim=0),
+    "scatter_kwargs": dict(dim=0),
+    "parallel_apply": dict(kwargs_tup=None, devices=None),
+    "gather": dict(dim=0),
+    "data_parallel": dict(device_ids=None, output_device=None, dim=0, module_kwargs=None),
+}
+
+
+def test_signatures_and_defaults_are_the_contracts():
+    for name, defaults in API_SIGNATURES.items():
+        params = inspect.signature(getattr(ddpkit, name)).parameters
+        for arg, default in defaults.items():
+            assert arg in params, f"ddpkit.{name} lacks argument {arg!r}"
+            assert params[arg].default == default, f"ddpkit.{name}({arg}=...) default"
+        theirs = (getattr(torch.nn, name, None) or getattr(torch.nn.parallel, name, None)
+                  or getattr(torch.nn.parallel.scatter_gather, name))
+        their_params = inspect.signature(theirs).parameters
+        assert set(defaults) <= set(their_params), f"torch's {name} names its arguments differently"
+
+
+def test_python_dash_m_ddpkit_answers():
+    result = subprocess.run([sys.executable, "-m", "ddpkit", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "run" in result.stdout and "bench" in result.stdout
