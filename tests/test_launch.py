@@ -60,9 +60,9 @@ class Job:
             pids.update(p for p in (record["pid"], record["child"]) if p)
         return pids
 
-    def wait_for_pid_files(self, count: int, timeout: float = 30) -> None:
+    def wait_for_files(self, pattern: str, count: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while len(glob.glob(str(self.out / "pids_*.json"))) < count:
+        while len(glob.glob(str(self.out / pattern))) < count:
             if any(p.poll() is not None for p in self.launchers):
                 raise AssertionError(f"a launcher exited early: {[p.communicate() for p in self.launchers]}")
             assert time.monotonic() < deadline, f"{count} workers did not start within {timeout} s"
@@ -226,13 +226,28 @@ def test_missing_node_times_out_naming_it(job, tmp_path):
     assert not job.pids()  # no worker was started
 
 
+@pytest.mark.timeout(60)
+def test_failure_on_one_node_stops_the_other_node(job, tmp_path):
+    port = str(_free_port())
+    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
+                       "--master-port", port, "--rdzv-timeout", "30", "--grace-period", "5",
+                       WORKER, str(tmp_path), "fail", "3") for r in (0, 1)]
+    (_, err0), (_, err1) = [node.communicate(timeout=50) for node in nodes]
+    assert [node.returncode for node in nodes] == [1, 1], (err0, err1)
+    assert "rank 3 on node 1" in err0 and "stopped on this node: rank 0, rank 1" in err0
+    assert "rank 3 (node 1, local rank 1" in err1 and "ValueError: boom on rank 3" in err1
+    pids = job.pids()
+    assert len(pids) == 5  # four workers and rank 3's child
+    assert_all_gone(pids)
+
+
 # ------------------------------------------------------------------------------------------ signals
 
 
 @pytest.mark.timeout(60)
 def test_launcher_killed_with_sigkill_leaves_no_worker(job, tmp_path):
     launcher = job.start("--nproc-per-node", "2", WORKER, str(tmp_path), "block")
-    job.wait_for_pid_files(2)
+    job.wait_for_files("pids_*.json", 2)
     pids = job.pids()
     assert len(pids) == 4  # two workers, each with a child
     launcher.kill()
@@ -241,9 +256,13 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(job, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_sigint_to_the_launcher_stops_every_worker_and_child(job, tmp_path):
+def test_sigusr1_is_forwarded_and_sigint_stops_every_worker_and_child(job, tmp_path):
     launcher = job.start("--nproc-per-node", "2", "--grace-period", "10", WORKER, str(tmp_path), "block")
-    job.wait_for_pid_files(2)
+    job.wait_for_files("pids_*.json", 2)
+    launcher.send_signal(signal.SIGUSR1)  # a pre-emption notice: the workers hear it, the job goes on
+    job.wait_for_files("usr1_*", 2)
+    assert launcher.poll() is None
+    assert all(psutil.pid_exists(pid) for pid in job.pids())  # the children were not sent SIGUSR1
     launcher.send_signal(signal.SIGINT)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + signal.SIGINT, err

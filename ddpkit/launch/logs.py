@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from typing import IO, BinaryIO
 
-__all__ = ["OutputPump", "TAIL_LINES", "log_path"]
+__all__ = ["OutputPump", "TAIL_LINES", "log_path", "say"]
 
 TAIL_LINES = 50
 
@@ -22,6 +22,11 @@ _console_lock = threading.Lock()
 
 def log_path(log_dir: str, attempt: int, rank: int) -> str:
     return os.path.join(log_dir, f"attempt_{attempt}", f"rank_{rank}.log")
+
+
+def say(text: str) -> None:
+    """The launcher's own message on stderr, whole, never inside a worker's line."""
+    OutputPump._emit(sys.stderr, (text.rstrip("\n") + "\n").encode())
 
 
 def _binary(stream: IO[str]) -> BinaryIO | None:

@@ -168,6 +168,7 @@ class NodeRendezvous:
         cfg, store = self._config, self._store
         assert store is not None
         deadline = time.monotonic() + cfg.rdzv_timeout
+        self._stop_watch()
         store.add(f"attempt/{attempt}/arrived", 1)
         self._wait_count(f"attempt/{attempt}/arrived", deadline, abort, f"start attempt {attempt}")
         port_key = f"attempt/{attempt}/port"

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
 import psutil
 
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.logs import log_path
+from ddpkit.launch.logs import log_path, say
 from ddpkit.launch.rendezvous import Layout, make_rendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
@@ -38,7 +37,7 @@ class Outcome:
 
 
 def _say(message: str) -> None:
-    print(f"ddpkit run: {message}", file=sys.stderr, flush=True)
+    say(f"ddpkit run: {message}")
 
 
 class Supervisor:
@@ -89,8 +88,7 @@ class Supervisor:
         if outcome.kind == "failed":
             self.rendezvous.report_failure(attempt, failure_info(outcome.failed, self.config.node_rank))
             log = log_path(self.config.log_dir, attempt, outcome.failed.rank) if self.config.log_dir else None
-            print(failure_summary(outcome.failed, self._workers, self.config.node_rank, log),
-                  file=sys.stderr, flush=True)
+            say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log))
         elif outcome.kind == "signal":
             self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
                                                      "signal": self.stop_signal.name})
@@ -155,10 +153,8 @@ class Supervisor:
             signal_worker(worker, sig)
         deadline = time.monotonic() + self.config.grace_period
         while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
-            before = self.stop_signal
-            self._handle_signals()
-            if before is not None and self._inbox_had_stop:
-                break  # a second Ctrl-C: do not wait out the grace period
+            if self._handle_signals():
+                break  # Ctrl-C while stopping: do not wait out the grace period
             time.sleep(0.02)
         kill_leftovers(workers, self._keep)
         for worker in workers:
@@ -171,21 +167,23 @@ class Supervisor:
                      "its tree; not waiting for it")
 
     # ------------------------------------------------------------------------------------- signals
-    _inbox_had_stop = False
+    def _handle_signals(self) -> bool:
+        """Stopping signals end the job (the first is kept); USR1/USR2 go on to the workers.
 
-    def _handle_signals(self) -> None:
-        """Stopping signals end the job (the first one is kept); USR1/USR2 go on to the workers."""
-        self._inbox_had_stop = False
+        Returns whether a stopping signal arrived since the last call.
+        """
+        stopping = False
         assert self._inbox is not None
         for sig in self._inbox.take():
             if sig in STOPPING:
-                self._inbox_had_stop = True
+                stopping = True
                 if self.stop_signal is None:
                     self.stop_signal = sig
             elif sig in FORWARDED:
                 for worker in self._workers:
                     if worker.process.poll() is None:
                         signal_worker(worker, sig, tree=False)
+        return stopping
 
     def _aborted(self) -> bool:
         self._handle_signals()

@@ -9,7 +9,7 @@ knows every process of the job. Modes:
   the detected launcher, the torchrun variables and this script's arguments.
 - ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError; others block.
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
-- ``block``: start a grandchild and block until killed.
+- ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
@@ -82,6 +82,7 @@ def main() -> None:
             _block()
         _write(os.path.join(out, f"result_{rank}.json"), {"restart_count": attempt})
     else:
+        signal.signal(signal.SIGUSR1, lambda *_: _write(os.path.join(out, f"usr1_{rank}"), {}))
         _block()
 
 
