@@ -1,0 +1,119 @@
+"""``ddpkit run``'s pure parts: torchrun's flags, the worker environment, exit descriptions. No processes."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from ddpkit.launch.cli import main
+from ddpkit.launch.config import parse_args
+from ddpkit.launch.summary import describe_exit, traceback_tail
+from ddpkit.launch.workers import Placement, worker_env
+
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("flag, field, value, expected", [
+    ("--nproc-per-node", "nproc_per_node", "3", 3), ("--nproc_per_node", "nproc_per_node", "3", 3),
+    ("--node-rank", "node_rank", "1", 1), ("--node_rank", "node_rank", "1", 1),
+    ("--master-addr", "master_addr", "10.0.0.1", "10.0.0.1"),
+    ("--master_addr", "master_addr", "10.0.0.1", "10.0.0.1"),
+    ("--master-port", "master_port", "1234", 1234), ("--master_port", "master_port", "1234", 1234),
+    ("--max-restarts", "max_restarts", "2", 2), ("--max_restarts", "max_restarts", "2", 2),
+    ("--log-dir", "log_dir", "/x", "/x"), ("--log_dir", "log_dir", "/x", "/x"),
+    ("--shutdown-timeout", "grace_period", "7", 7.0), ("--grace-period", "grace_period", "7", 7.0),
+    ("--rdzv-timeout", "rdzv_timeout", "5", 5.0), ("--rdzv_id", "run_id", "job7", "job7"),
+])
+def test_flags_take_both_torchrun_spellings(flag, field, value, expected):
+    extra = ["--nnodes", "2"] if field == "node_rank" else []
+    config = parse_args([*extra, flag, value, "train.py"], environ={})
+    assert getattr(config, field) == expected
+
+
+def test_script_arguments_pass_through_untouched():
+    config = parse_args(["--nproc-per-node", "2", "train.py", "--nnodes", "3", "-m", "x y"], environ={})
+    assert config.command == (sys.executable, "-u", "train.py", "--nnodes", "3", "-m", "x y")
+    assert config.nnodes == 1 and config.nproc_per_node == 2
+
+
+def test_module_and_no_python_build_the_worker_command():
+    assert parse_args(["-m", "pkg.train", "--lr", "1"], environ={}).command == (
+        sys.executable, "-u", "-m", "pkg.train", "--lr", "1")
+    assert parse_args(["--no-python", "./run.sh", "a"], environ={}).command == ("./run.sh", "a")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        parse_args(["--no-python", "-m", "pkg"], environ={})
+
+
+def test_nnodes_accepts_a_number_and_rejects_an_elastic_range():
+    assert parse_args(["--nnodes", "2:2", "t.py"], environ={}).nnodes == 2
+    with pytest.raises(ValueError, match=r"--nnodes '1:4' asks for an elastic range.*--nnodes 4"):
+        parse_args(["--nnodes", "1:4", "t.py"], environ={})
+    with pytest.raises(ValueError, match=r"--node-rank 2 must be in \[0, 2\)"):
+        parse_args(["--nnodes", "2", "--node-rank", "2", "t.py"], environ={})
+
+
+def test_several_nodes_default_to_torchruns_port_one_node_to_a_free_one():
+    assert parse_args(["--nnodes", "2", "t.py"], environ={}).master_port == 29500
+    assert parse_args(["t.py"], environ={}).master_port is None
+
+
+def test_standalone_ignores_the_master_address_and_port():
+    config = parse_args(["--standalone", "--master-addr", "h", "--master-port", "5", "t.py"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes) == ("127.0.0.1", None, 1)
+    assert config.run_id != "none"
+    with pytest.raises(ValueError, match="--standalone runs a single node"):
+        parse_args(["--standalone", "--nnodes", "2", "t.py"], environ={})
+
+
+def test_nproc_per_node_words_mean_what_they_mean_in_torchrun():
+    assert parse_args(["--nproc-per-node", "cpu", "t.py"], environ={}).nproc_per_node == CORES
+    expected_auto = torch.cuda.device_count() if torch.cuda.is_available() else CORES
+    assert parse_args(["--nproc-per-node", "auto", "t.py"], environ={}).nproc_per_node == expected_auto
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--nproc-per-node gpu"):
+            parse_args(["--nproc-per-node", "gpu", "t.py"], environ={})
+    with pytest.raises(ValueError, match="'many' is not a positive integer"):
+        parse_args(["--nproc-per-node", "many", "t.py"], environ={})
+
+
+def test_pet_variables_set_defaults_as_in_torchrun():
+    config = parse_args(["t.py"], environ={"PET_NNODES": "3", "PET_NODE_RANK": "2",
+                                           "PET_MASTER_ADDR": "head", "PET_NPROC_PER_NODE": "4"})
+    assert (config.nnodes, config.node_rank, config.master_addr, config.nproc_per_node) == (3, 2, "head", 4)
+    assert parse_args(["--nnodes", "1", "t.py"], environ={"PET_NNODES": "3"}).nnodes == 1
+
+
+def test_other_rendezvous_backends_are_refused_with_a_hint():
+    with pytest.raises(ValueError, match="--rdzv-backend 'c10d' is not supported.*--master-addr"):
+        parse_args(["--rdzv-backend", "c10d", "t.py"], environ={})
+
+
+def test_cli_reports_a_bad_flag_in_one_line(capsys):
+    assert main(["--nnodes", "1:8", "t.py"]) == 2
+    assert capsys.readouterr().err.startswith("ddpkit run: error: --nnodes '1:8' asks for an elastic")
+
+
+def test_worker_env_shares_the_cores_unless_omp_num_threads_is_set():
+    place = Placement(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, nnodes=2)
+    kw = dict(master_addr="h", master_port=5, attempt=1, max_restarts=2, run_id="r")
+    env = worker_env({"PATH": "/bin"}, place, **kw)
+    assert env["OMP_NUM_THREADS"] == str(max(1, CORES // 2))
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["TORCHELASTIC_RESTART_COUNT"]) == (
+        "3", "1", "1", "1")
+    assert env["PATH"] == "/bin"
+    assert worker_env({"OMP_NUM_THREADS": "8"}, place, **kw)["OMP_NUM_THREADS"] == "8"
+
+
+def test_exit_descriptions_name_the_signal_and_hint_at_oom():
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(137).startswith("killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
+    assert describe_exit(139).startswith("killed by SIGSEGV")
+
+
+def test_the_summary_shows_the_last_traceback():
+    lines = ["noise", "Traceback (most recent call last):", "  old", "E: first",
+             "warning", "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
+    assert traceback_tail(lines) == lines[5:]
+    assert traceback_tail(["a", "b"]) == ["a", "b"]
