@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +119,11 @@ def test_the_summary_shows_the_last_traceback():
              "warning", "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
     assert traceback_tail(lines) == lines[5:]
     assert traceback_tail(["a", "b"]) == ["a", "b"]
+
+
+@pytest.mark.parametrize("name", ["single_node.sh", "multi_node.sh", "slurm.sbatch", "torchrun.sh"])
+def test_launch_scripts_parse_and_show_their_usage(name):
+    path = Path(__file__).resolve().parents[1] / "launch" / name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    header = path.read_text().split("set -euo pipefail")[0]
+    assert f"launch/{name}" in header and os.access(path, os.X_OK)

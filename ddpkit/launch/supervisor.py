@@ -100,7 +100,9 @@ class Supervisor:
             elif self.stop_signal is not None:
                 outcome = Outcome("signal", 128 + self.stop_signal)
             else:
-                _say(f"all {len(self._workers)} workers on node {self.config.node_rank} succeeded")
+                count = len(self._workers)
+                _say(f"{'all ' if count > 1 else ''}{count} worker{'s' if count > 1 else ''} on node "
+                     f"{self.config.node_rank} succeeded")
         if outcome.kind == "remote":
             _say(remote_summary(outcome.remote, self._workers).removeprefix("ddpkit run: "))
         return outcome
@@ -120,7 +122,8 @@ class Supervisor:
             if self._watchdog is not None:
                 self._watchdog.add(workers[-1].pid)
         first, last = workers[0].rank, workers[-1].rank
-        _say(f"attempt {attempt}: started ranks {first}-{last} of {layout.world_size} on node "
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        _say(f"attempt {attempt}: started {ranks} of {layout.world_size} on node "
              f"{cfg.node_rank} (pids {' '.join(str(w.pid) for w in workers)}), store "
              f"{master_addr}:{master_port}")
         return workers

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Train on several machines: run this once on every node, with the same NNODES, MASTER_ADDR and
+# MASTER_PORT everywhere and a different NODE_RANK on each.
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0.cluster launch/multi_node.sh examples/train_ddp.py  # on node0
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0.cluster launch/multi_node.sh examples/train_ddp.py  # on node1
+#
+# NNODES       number of nodes (required)
+# NODE_RANK    this node's rank, 0 .. NNODES-1 (required); node 0 hosts the rendezvous
+# MASTER_ADDR  address of node 0 that every node can reach (required)
+# MASTER_PORT  rendezvous port on node 0 (default 29500); node 0 also opens one ephemeral port per
+#              attempt for the workers' store, so the nodes must reach node 0 on ephemeral ports too
+# NPROC        workers per node: a number or gpu / cpu / auto (default gpu)
+# RDZV_TIMEOUT seconds to wait for all nodes to join (default 900); a node that never comes is
+#              named in the error
+# RESTARTS     restart every node's workers up to this many times after a failure (default 0)
+#
+# A failure on any node stops the workers on every node; each launcher exits with the failing
+# worker's exit code, and the failing node prints its traceback.
+set -euo pipefail
+: "${NNODES:?set NNODES}" "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}"
+
+SCRIPT=${1:?usage: launch/multi_node.sh SCRIPT [ARGS...]}
+shift
+
+exec python -m ddpkit run \
+    --nnodes "$NNODES" \
+    --node-rank "$NODE_RANK" \
+    --master-addr "$MASTER_ADDR" \
+    --master-port "${MASTER_PORT:-29500}" \
+    --nproc-per-node "${NPROC:-gpu}" \
+    --rdzv-timeout "${RDZV_TIMEOUT:-900}" \
+    --max-restarts "${RESTARTS:-0}" \
+    "$SCRIPT" "$@"
