@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +20,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.node_watch import FailureWatch, wait_reachable
 
 __all__ = ["Layout", "host_store", "LocalRendezvous", "NodeRendezvous", "make_rendezvous"]
 
@@ -92,7 +92,7 @@ class NodeRendezvous:
         self._server: dist.TCPStore | None = None  # node 0 only
         self._store: dist.TCPStore | None = None
         self._worker_store: dist.TCPStore | None = None
-        self._watch: _FailureWatch | None = None
+        self._watch: FailureWatch | None = None
 
     # ---------------------------------------------------------------------------------------- join
     def join(self, abort: Callable[[], bool]) -> Layout:
@@ -122,6 +122,8 @@ class NodeRendezvous:
     def _connect(self, deadline: float, abort: Callable[[], bool]) -> dist.TCPStore:
         cfg = self._config
         error: Exception | None = None
+        # a plain socket first: TCPStore's own retries log a C++ stack trace per attempt
+        wait_reachable(cfg.master_addr, cfg.master_port, deadline, abort)
         while not abort():
             wait = max(1.0, min(5.0, deadline - time.monotonic()))
             try:
@@ -180,7 +182,7 @@ class NodeRendezvous:
             if abort() or time.monotonic() >= deadline:
                 raise RuntimeError(f"node 0 did not publish attempt {attempt}'s worker store in time")
             time.sleep(_POLL)
-        self._watch = _FailureWatch(cfg.master_addr, cfg.master_port, f"attempt/{attempt}/failed")
+        self._watch = FailureWatch(cfg.master_addr, cfg.master_port, f"attempt/{attempt}/failed")
         return cfg.master_addr, int(store.get(port_key))
 
     def report_failure(self, attempt: int, info: dict) -> None:
@@ -226,32 +228,6 @@ class NodeRendezvous:
     def close(self) -> None:
         self._stop_watch()
         self._store = self._worker_store = self._server = None
-
-
-class _FailureWatch:
-    """A thread polling the failure key on its own connection, so the supervisor's loop never blocks."""
-
-    def __init__(self, host: str, port: int, key: str):
-        self.info: dict | None = None
-        self._stopped = threading.Event()
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-        self._thread = threading.Thread(target=self._run, args=(key,), name="ddpkit-failure-watch",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, key: str) -> None:
-        try:
-            while not self._stopped.wait(0.1):
-                if self._store.check([key]):
-                    self.info = json.loads(self._store.get(key))
-                    return
-        except (RuntimeError, OSError) as e:
-            if not self._stopped.is_set():
-                self.info = {"node": None, "lost": f"lost the connection to node 0's rendezvous ({e})"}
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(5)
 
 
 def make_rendezvous(config: LaunchConfig) -> LocalRendezvous | NodeRendezvous:
