@@ -241,6 +241,19 @@ def test_failure_on_one_node_stops_the_other_node(job, tmp_path):
     assert_all_gone(pids)
 
 
+@pytest.mark.timeout(60)
+def test_restart_after_a_failure_on_one_node_restarts_every_node(job, tmp_path):
+    port = str(_free_port())
+    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
+                       "--master-port", port, "--max-restarts", "1", "--grace-period", "5",
+                       WORKER, str(tmp_path), "fail-once", "3") for r in (0, 1)]
+    (_, err0), (_, err1) = [node.communicate(timeout=50) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], (err0, err1)
+    assert "rank 3 on node 1" in err0 and "RuntimeError: first attempt fails" in err1
+    assert {r: v["restart_count"] for r, v in job.results().items()} == {r: "1" for r in range(4)}
+    assert_all_gone(job.pids())
+
+
 # ------------------------------------------------------------------------------------------ signals
 
 
