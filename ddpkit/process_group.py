@@ -64,9 +64,10 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if env.world_size == 1:
-            # a world of one needs no network: an in-process store is enough
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            # A world of one needs no network: an in-process store is enough. With NCCL, Gloo
+            # serves CPU tensors too, so user code may reduce tensors on either device.
+            dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                                    store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             store = _rendezvous(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,

@@ -58,7 +58,7 @@ def rank_env(rank: int, world_size: int, port: int, agent_store: bool = True) ->
     return env
 
 
-def _rank_main(fn, rank, world_size, port, args, kwargs, init, timeout, env, results):
+def _rank_main(fn, rank, world_size, port, args, kwargs, init, timeout, env, results, backend):
     """Body of one rank: set the environment, init, run, report, shut down."""
     faulthandler.dump_traceback_later(timeout, exit=True)
     for name in list(os.environ):
@@ -71,7 +71,7 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, init, timeout, env, res
         if init:
             import ddpkit
 
-            ddpkit.init(backend="gloo", timeout=timeout)
+            ddpkit.init(backend=backend, timeout=timeout)
         value = fn(*args, **kwargs)
         buffer = io.BytesIO()
         torch.save(value, buffer)
@@ -119,6 +119,7 @@ def run_ranks(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
     rank_args: Sequence[Sequence[Any]] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
 
@@ -134,7 +135,7 @@ def run_ranks(
             p = _CONTEXT.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, store.port, rank_fn_args, kwargs or {}, init, timeout,
-                      env or {}, results),
+                      env or {}, results, backend),
                 name=f"rank{rank}",
             )
             p.start()

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import ddpkit.data_parallel as dp_module
 from ddpkit.data_parallel import DataParallel, data_parallel
+
+dp_module = importlib.import_module("ddpkit.data_parallel")  # the package attribute is the function
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")

@@ -28,7 +28,8 @@ def single_process(monkeypatch):
 def test_single_process_fallback_gives_a_working_world_of_one(single_process):
     env = ddpkit.init()
     assert (env.rank, env.world_size, env.launcher, env.backend) == (0, 1, "single", None)
-    assert env.device == torch.device("cpu") and env.master_addr is None
+    expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert env.device == expected and env.master_addr is None
     assert ddpkit.init() is env, "init() must be idempotent"
     # plain torch.distributed calls in user code work too
     t = torch.tensor([2.0])
