@@ -52,6 +52,15 @@ class Job:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
 
+    def run_two_nodes(self, *args: str, timeout: float = 50) -> list[tuple[int, str]]:
+        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers; (code, stderr) each."""
+        port = str(_free_port())
+        nodes = [self.start("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                            "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout",
+                            "30", "--grace-period", "5", *args) for rank in (0, 1)]
+        errors = [node.communicate(timeout=timeout)[1] for node in nodes]
+        return [(node.returncode, err) for node, err in zip(nodes, errors)]
+
     def pids(self) -> set[int]:
         """Every process the workers reported: themselves and their children."""
         pids = set()
@@ -144,12 +153,8 @@ def test_two_workers_all_reduce_with_torchrun_variables(job, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
-    port = str(_free_port())
-    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
-                       "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout", "60",
-                       WORKER, str(tmp_path), "allreduce") for r in (0, 1)]
-    outputs = [node.communicate(timeout=80) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    nodes = job.run_two_nodes(WORKER, str(tmp_path), "allreduce", timeout=80)
+    assert [code for code, _ in nodes] == [0, 0], nodes
     results = job.results()
     assert sorted(results) == [0, 1, 2, 3]
     assert {r["sum"] for r in results.values()} == {10.0}
@@ -228,12 +233,8 @@ def test_missing_node_times_out_naming_it(job, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_failure_on_one_node_stops_the_other_node(job, tmp_path):
-    port = str(_free_port())
-    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
-                       "--master-port", port, "--rdzv-timeout", "30", "--grace-period", "5",
-                       WORKER, str(tmp_path), "fail", "3") for r in (0, 1)]
-    (_, err0), (_, err1) = [node.communicate(timeout=50) for node in nodes]
-    assert [node.returncode for node in nodes] == [1, 1], (err0, err1)
+    (code0, err0), (code1, err1) = job.run_two_nodes(WORKER, str(tmp_path), "fail", "3")
+    assert (code0, code1) == (1, 1), (err0, err1)
     assert "rank 3 on node 1" in err0 and "stopped on this node: rank 0, rank 1" in err0
     assert "rank 3 (node 1, local rank 1" in err1 and "ValueError: boom on rank 3" in err1
     pids = job.pids()
@@ -243,12 +244,9 @@ def test_failure_on_one_node_stops_the_other_node(job, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_restart_after_a_failure_on_one_node_restarts_every_node(job, tmp_path):
-    port = str(_free_port())
-    nodes = [job.start("--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
-                       "--master-port", port, "--max-restarts", "1", "--grace-period", "5",
-                       WORKER, str(tmp_path), "fail-once", "3") for r in (0, 1)]
-    (_, err0), (_, err1) = [node.communicate(timeout=50) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], (err0, err1)
+    (code0, err0), (code1, err1) = job.run_two_nodes("--max-restarts", "1", WORKER, str(tmp_path),
+                                                     "fail-once", "3")
+    assert (code0, code1) == (0, 0), (err0, err1)
     assert "rank 3 on node 1" in err0 and "RuntimeError: first attempt fails" in err1
     assert {r: v["restart_count"] for r, v in job.results().items()} == {r: "1" for r in range(4)}
     assert_all_gone(job.pids())
