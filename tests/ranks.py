@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 __all__ = ["RankFailure", "run_ranks", "rank_env", "kill_tree"]
 
-# forkserver with torch preloaded: a rank starts in ~0.1 s instead of re-importing torch.
+# forkserver with torch preloaded (and torch._dynamo, which torch.optim and torch's DDP pull in):
+# a rank starts in ~0.1 s instead of re-importing them.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "psutil"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.optim", "psutil"])
 
 
 class RankFailure(RuntimeError):
