@@ -53,6 +53,8 @@ def main() -> None:
     out, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     rank, attempt = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     target = int(args[0]) if args and mode != "allreduce" else None
+    if mode == "block":  # before the pid file: the test sends SIGUSR1 as soon as it sees that
+        signal.signal(signal.SIGUSR1, lambda *_: _write(os.path.join(out, f"usr1_{rank}"), {}))
     child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
     _record(out, rank, attempt, child)
     print(f"rank {rank} started", flush=True)
@@ -82,7 +84,6 @@ def main() -> None:
             _block()
         _write(os.path.join(out, f"result_{rank}.json"), {"restart_count": attempt})
     else:
-        signal.signal(signal.SIGUSR1, lambda *_: _write(os.path.join(out, f"usr1_{rank}"), {}))
         _block()
 
 
