@@ -20,8 +20,8 @@ from ddpkit.launch.rendezvous import Layout, make_rendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import Watchdog
-from ddpkit.launch.workers import (Placement, Worker, kill_leftovers, signal_worker, spawn_worker,
-                                   worker_env)
+from ddpkit.launch.workers import (Placement, Worker, exit_code, kill_leftovers, signal_worker,
+                                   spawn_worker, worker_env)
 
 __all__ = ["Outcome", "Supervisor", "run"]
 
@@ -80,18 +80,22 @@ class Supervisor:
         master_addr, master_port = self.rendezvous.begin_attempt(attempt, self._aborted)
         if self.stop_signal is not None:
             return Outcome("signal", 128 + self.stop_signal)
-        self._workers = self.start_workers(attempt, layout, master_addr, master_port)
+        self._workers = []
         try:
+            self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
+            # tell the other nodes first: they stop their workers while this node stops its own
+            if outcome.kind == "failed":
+                self.rendezvous.report_failure(attempt, failure_info(outcome.failed, self.config.node_rank))
+            elif outcome.kind == "signal":
+                self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
+                                                         "signal": self.stop_signal.name})
         finally:
             self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
         if outcome.kind == "failed":
-            self.rendezvous.report_failure(attempt, failure_info(outcome.failed, self.config.node_rank))
             log = log_path(self.config.log_dir, attempt, outcome.failed.rank) if self.config.log_dir else None
             say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log))
         elif outcome.kind == "signal":
-            self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
-                                                     "signal": self.stop_signal.name})
             _say(f"received {self.stop_signal.name}: stopped all workers")
         elif outcome.kind == "succeeded":
             remote = self.rendezvous.finish_attempt(attempt, self._aborted)
@@ -108,9 +112,9 @@ class Supervisor:
         return outcome
 
     def start_workers(self, attempt: int, layout: Layout, master_addr: str,
-                      master_port: int) -> list[Worker]:
-        cfg = self.config
-        workers = []
+                      master_port: int) -> None:
+        """Start this node's workers into ``self._workers`` (so a failed start still stops the rest)."""
+        cfg, workers = self.config, self._workers
         for local_rank in range(cfg.nproc_per_node):
             place = Placement(layout.rank_offset + local_rank, local_rank, layout.world_size,
                               cfg.nproc_per_node, cfg.node_rank, layout.nnodes)
@@ -126,7 +130,6 @@ class Supervisor:
         _say(f"attempt {attempt}: started {ranks} of {layout.world_size} on node "
              f"{cfg.node_rank} (pids {' '.join(str(w.pid) for w in workers)}), store "
              f"{master_addr}:{master_port}")
-        return workers
 
     def watch(self) -> Outcome:
         """Poll until every worker succeeded, one failed, a stopping signal came or another node failed."""
@@ -138,7 +141,7 @@ class Supervisor:
                 returncode = worker.process.poll()
                 if returncode is None or worker.state != "running":
                     continue
-                worker.exit_code = 128 - returncode if returncode < 0 else returncode
+                worker.exit_code = exit_code(returncode)
                 worker.state = "succeeded" if returncode == 0 else "failed"
                 if worker.state == "failed":
                     return Outcome("failed", worker.exit_code, failed=worker)
