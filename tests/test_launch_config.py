@@ -110,7 +110,8 @@ def test_worker_env_shares_the_cores_unless_omp_num_threads_is_set():
 
 def test_exit_descriptions_name_the_signal_and_hint_at_oom():
     assert describe_exit(1) == "exit code 1"
-    assert describe_exit(137).startswith("killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
+    assert describe_exit(137).startswith(
+        "killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
     assert describe_exit(139).startswith("killed by SIGSEGV")
 
 

@@ -72,38 +72,39 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         description="Start a training script on N processes per node, with torchrun's flags and "
         "worker environment. The first worker to fail stops the job and is named in a summary.",
     )
-    p.add_argument(*_spellings("nproc-per-node"), dest="nproc_per_node",
+    p.add_argument(*_spellings("nproc-per-node"), dest="nproc_per_node", metavar="N|auto|cpu|gpu",
                    default=pet("nproc_per_node", "1"),
                    help="workers on this node: an integer, 'gpu' (one per GPU), 'cpu' (one per "
                    "core) or 'auto' (GPUs if any, else cores). Default 1.")
-    p.add_argument("--nnodes", default=pet("nnodes", "1"),
+    p.add_argument("--nnodes", default=pet("nnodes", "1"), metavar="N",
                    help="number of nodes (an integer; torchrun's elastic 'MIN:MAX' is not supported).")
-    p.add_argument(*_spellings("node-rank"), dest="node_rank", type=int, default=pet("node_rank", 0),
+    p.add_argument(*_spellings("node-rank"), dest="node_rank", type=int, metavar="R",
+                   default=pet("node_rank", 0),
                    help="this node's rank in [0, nnodes). Default 0.")
-    p.add_argument(*_spellings("master-addr"), dest="master_addr",
+    p.add_argument(*_spellings("master-addr"), dest="master_addr", metavar="ADDR",
                    default=pet("master_addr", "127.0.0.1"),
                    help="address of node 0, reachable from every node. Default 127.0.0.1.")
-    p.add_argument(*_spellings("master-port"), dest="master_port", type=int,
+    p.add_argument(*_spellings("master-port"), dest="master_port", type=int, metavar="PORT",
                    default=pet("master_port", None),
                    help=f"rendezvous port on node 0 (several nodes: default {DEFAULT_MASTER_PORT}); "
                    "on a single node the default is a free port the launcher holds itself.")
     p.add_argument("--standalone", action="store_true", default=pet_flag("standalone"),
                    help="single node on a free loopback port; --master-addr/--master-port ignored.")
-    p.add_argument(*_spellings("max-restarts"), dest="max_restarts", type=int,
+    p.add_argument(*_spellings("max-restarts"), dest="max_restarts", type=int, metavar="K",
                    default=pet("max_restarts", 0),
                    help="restart the whole group up to K times after a failure "
                    "(TORCHELASTIC_RESTART_COUNT tells the script which attempt it is).")
-    p.add_argument(*_spellings("log-dir"), dest="log_dir", default=pet("log_dir", None),
+    p.add_argument(*_spellings("log-dir"), dest="log_dir", default=pet("log_dir", None), metavar="DIR",
                    help="also write each rank's output to DIR/attempt_<k>/rank_<r>.log.")
-    p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float,
+    p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float, metavar="SECONDS",
                    default=pet("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
                    help="seconds the nodes wait for each other (ddpkit's flag). Default 900.")
     p.add_argument(*_spellings("shutdown-timeout"), "--grace-period", dest="grace_period",
-                   type=float, default=pet("shutdown_timeout", DEFAULT_GRACE_PERIOD),
+                   type=float, metavar="SECONDS", default=pet("shutdown_timeout", DEFAULT_GRACE_PERIOD),
                    help="seconds between SIGTERM and SIGKILL when stopping workers. Default 30.")
-    p.add_argument(*_spellings("monitor-interval"), dest="monitor_interval", type=float,
+    p.add_argument(*_spellings("monitor-interval"), dest="monitor_interval", type=float, metavar="SECONDS",
                    default=pet("monitor_interval", 0.05), help="seconds between worker checks.")
-    p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", "none"),
+    p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", "none"), metavar="ID",
                    help="job id, given to workers as TORCHELASTIC_RUN_ID.")
     p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
                    default=pet("rdzv_backend", "static"),

@@ -17,7 +17,8 @@ import psutil
 from ddpkit.launch.logs import OutputPump
 from ddpkit.launch.signals import death_signal_preexec
 
-__all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers", "exit_code"]
+__all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers",
+           "exit_code"]
 
 
 @dataclass(frozen=True)
