@@ -5,8 +5,9 @@
 Every rank first writes ``OUT_DIR/pids_<rank>_<attempt>.json`` ({"pid": ..., "child": ...}) so the test
 knows every process of the job. Modes:
 
-- ``allreduce``: ddpkit.init(), all-reduce rank + 1, write ``OUT_DIR/result_<rank>.json`` with the sum,
-  the detected launcher, the torchrun variables and this script's arguments.
+- ``allreduce``: ddpkit.init(backend="gloo"), all-reduce rank + 1, write
+  ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables and this
+  script's arguments.
 - ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError; others block.
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
@@ -64,7 +65,7 @@ def main() -> None:
 
         import ddpkit
 
-        env = ddpkit.init()
+        env = ddpkit.init(backend="gloo")  # CPU collectives, also on a machine with one GPU
         total = torch.tensor([float(rank + 1)])
         ddpkit.all_reduce(total)
         result = {"sum": total.item(), "launcher": env.launcher, "args": args,
