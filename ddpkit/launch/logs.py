@@ -17,6 +17,7 @@ __all__ = ["OutputPump", "TAIL_LINES", "log_path", "say"]
 
 TAIL_LINES = 50
 
+# one per process on purpose: the launcher has one stdout and one stderr, shared by every pump
 _console_lock = threading.Lock()
 
 
