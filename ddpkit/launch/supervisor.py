@@ -137,14 +137,23 @@ class Supervisor:
             self._handle_signals()
             if self.stop_signal is not None:
                 return Outcome("signal", 128 + self.stop_signal)
+            failed = []
             for worker in self._workers:
                 returncode = worker.process.poll()
                 if returncode is None or worker.state != "running":
                     continue
                 worker.exit_code = exit_code(returncode)
                 worker.state = "succeeded" if returncode == 0 else "failed"
-                if worker.state == "failed":
-                    return Outcome("failed", worker.exit_code, failed=worker)
+                if returncode != 0:
+                    failed.append((returncode > 0, worker.rank, worker))
+            if failed:
+                # several in one poll: a worker killed by a signal is more likely the cause than one
+                # that raised because its peer vanished; the others count as stopped
+                first = min(failed, key=lambda f: f[:2])[2]
+                for _, _, worker in failed:
+                    if worker is not first:
+                        worker.state = "stopped"
+                return Outcome("failed", first.exit_code, failed=first)
             if all(w.state == "succeeded" for w in self._workers):
                 return Outcome("succeeded")
             remote = self.rendezvous.remote_failure()
