@@ -15,7 +15,8 @@ from typing import Any
 from ddpkit.env import DistEnv, detect, expand_hostlist
 from ddpkit.process_group import (get_local_rank, get_rank, get_world_size, init, is_initialized,
                                   is_main_process, shutdown)
-from ddpkit.comm import all_gather, all_reduce, barrier, broadcast, broadcast_object, reduce_scatter
+from ddpkit.comm import (all_gather, all_gather_object, all_reduce, barrier, broadcast,
+                         broadcast_object, reduce_scatter)
 from ddpkit.replicate import replicate
 from ddpkit.scatter_gather import gather, scatter, scatter_kwargs
 from ddpkit.parallel_apply import parallel_apply
@@ -29,7 +30,8 @@ from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point
 __version__ = "0.1.0"
 
 __all__ = [
-    "DDP", "DataParallel", "DistEnv", "DistributedDataParallel", "all_gather", "all_reduce", "barrier",
+    "DDP", "DataParallel", "DistEnv", "DistributedDataParallel", "all_gather", "all_gather_object",
+    "all_reduce", "barrier",
     "broadcast", "broadcast_object", "data_parallel", "detect", "expand_hostlist", "gather",
     "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
     "is_main_process", "load", "parallel_apply", "parallelize", "print", "reduce_scatter",

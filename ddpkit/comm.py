@@ -6,13 +6,15 @@ training script runs everywhere.
 """
 from __future__ import annotations
 
+import ctypes
+import pickle
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "reduce_scatter", "barrier",
-           "REDUCE_OPS"]
+__all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_object",
+           "reduce_scatter", "barrier", "REDUCE_OPS"]
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -83,10 +85,33 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
         raise ValueError(f"src={src} is not a rank of this group of {world_size}.")
     if world_size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=_global_rank(group, src), group=group,
-                               device=_comm_device(group))
-    return box[0]
+    device = _comm_device(group)
+    payload = _to_bytes_tensor(obj) if _rank(group) == src else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=_global_rank(group, src), group=group)
+    buffer = payload.to(device) if _rank(group) == src else torch.empty(
+        int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=_global_rank(group, src), group=group)
+    return obj if _rank(group) == src else _from_bytes_tensor(buffer)
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` (any picklable object), in rank order."""
+    if _world_size(group) == 1:
+        return [obj]
+    device = _comm_device(group)
+    return [_from_bytes_tensor(t) for t in all_gather(_to_bytes_tensor(obj).to(device), group=group)]
+
+
+# torch's own object collectives go through numpy, which a plain torch install may lack: these
+# pickle into a uint8 tensor and back with the standard library only.
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes_tensor(tensor: torch.Tensor) -> Any:
+    tensor = tensor.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b"")
 
 
 def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -169,7 +194,8 @@ def _global_rank(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _comm_device(group) -> torch.device | None:
+def _comm_device(group) -> torch.device:
+    """Where a tensor must be for this group's collectives: NCCL reduces CUDA tensors only."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return None
+    return torch.device("cpu")

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
+from ddpkit.comm import all_gather_object
 from ddpkit.join import JoinSupport
 from ddpkit.reducer import Reducer
 
@@ -111,8 +112,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """Raise on every rank, naming the first difference, unless all ranks hold the same tensors."""
         mine = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
                 for n, t in self._states(buffers=self.broadcast_buffers)]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
+        everyone = all_gather_object(mine, group=self.process_group)
         for rank in range(1, self.world_size):
             problem = _first_difference(everyone[0], everyone[rank], rank)
             if problem:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
+from ddpkit.comm import all_gather_object
 from ddpkit.reducer import Reducer, unused_gradient_error
 
 if TYPE_CHECKING:
@@ -120,8 +121,7 @@ def shadow_backward(reducer: Reducer) -> None:
     else:
         failed = int(zeros.flag.item())
     if failed:  # an active rank lacked gradients: raise with it, naming nothing of ours
-        everyone: list[Any] = [None] * reducer.world_size
-        dist.all_gather_object(everyone, (reducer.rank, []), group=reducer.group)
+        everyone = all_gather_object((reducer.rank, []), group=reducer.group)
         raise unused_gradient_error(reducer.rank, everyone, reducer.static_graph)
     reducer.iterations += 1
     reducer._reset_iteration()

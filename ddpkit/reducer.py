@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bucket import Bucket, assign_buckets
+from ddpkit.comm import all_gather_object
 
 __all__ = ["Reducer", "queue_end_of_backward_callback", "unused_gradient_error"]
 
@@ -326,8 +327,7 @@ class Reducer:
         if failed:
             self.buckets[-1].flag.zero_()
             names = [self.names[i] for i in missing]
-            everyone: list[Any] = [None] * self.world_size
-            dist.all_gather_object(everyone, (self.rank, names), group=self.group)
+            everyone = all_gather_object((self.rank, names), group=self.group)
             raise unused_gradient_error(self.rank, everyone, self.static_graph)
 
     def _write_back(self) -> None:

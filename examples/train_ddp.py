@@ -25,7 +25,6 @@ import signal
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -76,9 +75,7 @@ def all_rng_states() -> list[dict]:
     state = capture_rng_state()
     if ddpkit.get_world_size() == 1:
         return [state]
-    states: list = [None] * ddpkit.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
+    return ddpkit.all_gather_object(state)
 
 
 def save_checkpoint(directory: Path, step: int, model: nn.Module,

@@ -1,6 +1,9 @@
 """Collectives against hand-computed values, in a world of one and on 2-3 real ranks."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -44,6 +47,7 @@ def _every_collective():
     out["int_sum"] = ddpkit.all_reduce(torch.tensor([rank + 1])).tolist()
     out["broadcast"] = ddpkit.broadcast(torch.full((2,), float(rank)), src=world - 1).tolist()
     out["object"] = ddpkit.broadcast_object({"from": rank, "items": [rank] * 3}, src=1)
+    out["objects"] = ddpkit.all_gather_object(("rank", rank, [None] * rank))
     out["gather"] = [g.tolist() for g in ddpkit.all_gather(torch.full((rank + 1, 2), rank))]
     out["gather_empty"] = [g.shape[0] for g in ddpkit.all_gather(torch.ones(rank % 2, 3))]
     out["gather_scalar"] = [g.item() for g in ddpkit.all_gather(torch.tensor(rank * 10))]
@@ -72,6 +76,7 @@ def test_every_collective_against_hand_computed_values(world):
         assert out["int_sum"] == [total]
         assert out["broadcast"] == [world - 1.0] * 2
         assert out["object"] == {"from": 1, "items": [1, 1, 1]}
+        assert out["objects"] == [("rank", r, [None] * r) for r in range(world)]
         assert out["gather"] == [[[r] * 2] * (r + 1) for r in range(world)]
         assert out["gather_empty"] == [r % 2 for r in range(world)]
         assert out["gather_scalar"] == [r * 10 for r in range(world)]
@@ -115,3 +120,20 @@ def _reduce_scatter_wrong_count():
 def test_reduce_scatter_wants_one_tensor_per_rank():
     with pytest.raises(RankFailure, match=r"got 3 tensors for a group of 2 ranks"):
         run_ranks(_reduce_scatter_wrong_count, 2)
+
+
+def test_object_collectives_need_no_numpy():
+    """torch's object collectives call tensor.numpy(); a plain torch install may have no numpy."""
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import torch\n"
+        "from ddpkit.comm import _from_bytes_tensor, _to_bytes_tensor\n"
+        "try:\n"
+        "    torch.zeros(1).numpy(); raise SystemExit('numpy was importable')\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "print(_from_bytes_tensor(_to_bytes_tensor({'a': [1, (2, None)]})))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "{'a': [1, (2, None)]}"
