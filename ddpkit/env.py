@@ -8,6 +8,7 @@ nothing, so every case is testable with a plain dict.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -181,22 +182,33 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     num_nodes = (_optional_int(environ, "SLURM_JOB_NUM_NODES", 1)
                  or _optional_int(environ, "SLURM_NNODES", 1) or len(nodes) or 1)
 
-    per_node = _optional_int(environ, "SLURM_NTASKS_PER_NODE", minimum=1)
+    # sbatch may export SLURM_NTASKS_PER_NODE in SLURM_TASKS_PER_NODE's "4(x2)" form too
+    per_node_counts = _tasks_per_node(environ, "SLURM_NTASKS_PER_NODE")
+    per_node = per_node_counts[0] if per_node_counts and len(set(per_node_counts)) == 1 else None
     if per_node is not None and per_node * num_nodes != world_size:
         raise ValueError(
             f"SLURM_NTASKS={world_size} disagrees with {num_nodes} node(s) x "
             f"SLURM_NTASKS_PER_NODE={per_node} = {per_node * num_nodes} tasks. HINT: ask sbatch/srun "
             "for a consistent layout, e.g. --nodes=N --ntasks-per-node=K without a different --ntasks."
         )
+    # the step's real layout, one count per node: srun's default block distribution fills node 0 first
+    counts_name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                        if environ.get(n, "").strip()), None)
+    if counts_name is not None:
+        counts = _tasks_per_node(environ, counts_name)
+    else:
+        counts_name = "SLURM_NTASKS_PER_NODE"
+        counts = [per_node] * num_nodes if per_node else per_node_counts
     node_rank = _optional_int(environ, "SLURM_NODEID")
     if node_rank is None:
-        node_rank = rank // per_node if per_node else 0
+        node_rank = _block_node(counts, rank, counts_name, environ) if counts else 0
     _check_rank("SLURM_NODEID", node_rank, "the node count", num_nodes)
-    local_world_size = per_node or _tasks_on_node(environ.get("SLURM_TASKS_PER_NODE"), node_rank) \
-        or max(1, world_size // num_nodes)
+    on_node = counts[node_rank] if counts and node_rank < len(counts) else None
+    local_world_size = on_node or per_node or max(1, world_size // num_nodes)
     local_rank = _optional_int(environ, "SLURM_LOCALID")
     if local_rank is None:
-        local_rank = rank % local_world_size
+        local_rank = (rank - sum(counts[:node_rank]) if counts and on_node
+                      else rank % local_world_size)
     _check_rank("SLURM_LOCALID", local_rank, "the tasks on this node", local_world_size)
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or (nodes[0] if nodes else None)
@@ -216,17 +228,30 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
                    master_port, "slurm")
 
 
-def _tasks_on_node(tasks_per_node: str | None, node_rank: int) -> int | None:
-    """Read SLURM_TASKS_PER_NODE such as ``"2(x3),1"`` for one node."""
-    if not tasks_per_node:
+def _tasks_per_node(environ: Mapping[str, str], name: str) -> list[int] | None:
+    """Read a tasks-per-node variable such as ``"2(x3),1"`` into one count per node."""
+    text = environ.get(name, "").strip()
+    if not text:
         return None
     counts: list[int] = []
-    for part in tasks_per_node.split(","):
+    for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            raise ValueError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not in SLURM's format (e.g. '2(x3),1').")
+        if match is None or int(match.group(1)) < 1:
+            raise ValueError(f"{name}={text!r} is not in SLURM's format: positive task counts such as "
+                             "'4' or '2(x3),1'. HINT: unset it, or let sbatch/srun set it.")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts[node_rank] if node_rank < len(counts) else None
+    return counts
+
+
+def _block_node(counts: list[int], rank: int, name: str, environ: Mapping[str, str]) -> int:
+    """The node holding ``rank`` when node i runs ``counts[i]`` consecutive ranks."""
+    for node, first_of_next in enumerate(itertools.accumulate(counts)):
+        if rank < first_of_next:
+            return node
+    raise ValueError(
+        f"SLURM_PROCID={rank} is beyond the {sum(counts)} task(s) that {name}="
+        f"{environ.get(name)!r} places on the nodes. HINT: set SLURM_NODEID and SLURM_LOCALID "
+        "(srun does), or make the two agree.")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,7 +286,10 @@ def _from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     if local_rank is None:
         local_rank = rank % local_world_size
     _check_rank(local_rank_name, local_rank, local_size_name, local_world_size)
-    node_rank = rank // local_world_size
+    # Open MPI numbers the nodes itself; elsewhere assume mpirun's default: ranks fill node 0 first
+    node_rank = _optional_int(environ, "OMPI_COMM_WORLD_NODE_RANK") if rank_name.startswith("OMPI") else None
+    if node_rank is None:
+        node_rank = rank // local_world_size
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or None
     if master_addr is None:

@@ -1,0 +1,44 @@
+"""Layouts that schedulers really produce, read from plain dicts (regressions for detect())."""
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.env import detect
+
+
+def _layout(env):
+    return env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank
+
+
+def test_slurm_ntasks_per_node_in_the_repeat_format():
+    env = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)",
+                  "SLURM_JOB_NODELIST": "node[1-2]"})
+    assert _layout(env) == (5, 8, 1, 4, 1)
+
+
+@pytest.mark.parametrize("rank, layout", [(1, (1, 3, 1, 2, 0)), (2, (2, 3, 0, 1, 1))])
+def test_slurm_uneven_tasks_per_node_without_nodeid(rank, layout):
+    # srun's block distribution: node 0 runs ranks 0-1, node 1 runs rank 2
+    env = detect({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_TASKS_PER_NODE": "2,1",
+                  "SLURM_JOB_NODELIST": "a,b"})
+    assert _layout(env) == layout
+
+
+def test_slurm_ntasks_per_node_without_nodeid_or_nodelist():
+    env = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4",
+                  "SLURM_NNODES": "2", "MASTER_ADDR": "n0"})
+    assert _layout(env) == (5, 8, 1, 4, 1)
+
+
+def test_slurm_tasks_per_node_that_do_not_cover_the_rank():
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=5 .* SLURM_TASKS_PER_NODE='2,1'.*HINT"):
+        detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "2,1",
+                "MASTER_ADDR": "n0"})
+
+
+def test_open_mpi_node_rank_is_read_not_guessed():
+    # mpirun --map-by node: rank 1 is the first rank on node 1
+    env = detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                  "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                  "OMPI_COMM_WORLD_NODE_RANK": "1", "MASTER_ADDR": "n0"})
+    assert _layout(env) == (1, 4, 0, 2, 1)
