@@ -31,12 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if command == "env":
-        import os
-
-        from ddpkit.env import detect
-
-        print(detect(os.environ))
-        return 0
+        return _env(rest)
     if command in ("--version", "version"):
         from ddpkit import __version__
 
@@ -44,3 +39,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"ddpkit: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
+
+
+def _env(argv: list[str]) -> int:
+    """``ddpkit env``: the detected layout, or the one-line reason the variables are wrong."""
+    import os
+
+    from ddpkit.env import detect
+
+    if argv:
+        print("usage: ddpkit env\n\nprint the DistEnv that ddpkit.init() would detect from this "
+              "process's environment variables", file=sys.stdout if argv[0] in ("-h", "--help") else sys.stderr)
+        return 0 if argv[0] in ("-h", "--help") else 2
+    try:
+        print(detect(os.environ))
+    except ValueError as e:
+        print(f"ddpkit env: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -42,3 +42,17 @@ def test_open_mpi_node_rank_is_read_not_guessed():
                   "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                   "OMPI_COMM_WORLD_NODE_RANK": "1", "MASTER_ADDR": "n0"})
     assert _layout(env) == (1, 4, 0, 2, 1)
+
+
+def test_ddpkit_env_prints_the_layout_or_one_clear_error(monkeypatch, capsys):
+    from ddpkit.cli import main
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert main(["env"]) == 1
+    assert capsys.readouterr().err.startswith("ddpkit env: error: RANK=1 and WORLD_SIZE=2")
+    monkeypatch.setenv("MASTER_ADDR", "h")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert main(["env"]) == 0
+    assert "rank=1, world_size=2" in capsys.readouterr().out
