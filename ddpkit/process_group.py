@@ -52,9 +52,10 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         ValueError: contradictory launcher variables, or an unknown backend.
         RuntimeError: the rendezvous did not complete within ``timeout``.
     """
-    if _state["env"] is not None:
-        return _state["env"]
     timeout = _as_timedelta(timeout)
+    if _state["env"] is not None and dist.is_initialized():
+        _check_same_backend(backend)
+        return _state["env"]
     if dist.is_initialized():
         env = _adopt_existing_group()
     else:
@@ -119,6 +120,8 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r} must be a positive duration.")
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta.")
@@ -135,6 +138,17 @@ def _choose_backend(backend: str | None) -> str:
         raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False. "
                          "HINT: use backend='gloo' on CPU.")
     return backend
+
+
+def _check_same_backend(backend: str | None) -> None:
+    """A repeated ``init()`` returns the first one's group: it must not silently ignore a new backend."""
+    if backend is None or not dist.is_initialized():
+        return
+    current = str(dist.get_backend()).lower()
+    if backend.lower() not in current.replace(":", ",").split(","):
+        raise ValueError(
+            f"ddpkit.init(backend={backend!r}) but this process already joined with backend "
+            f"{current!r}. HINT: call ddpkit.shutdown() first to change the backend.")
 
 
 def _choose_device(backend: str, env: DistEnv) -> torch.device:

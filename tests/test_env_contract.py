@@ -56,3 +56,25 @@ def test_ddpkit_env_prints_the_layout_or_one_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("MASTER_PORT", "1234")
     assert main(["env"]) == 0
     assert "rank=1, world_size=2" in capsys.readouterr().out
+
+
+def test_second_init_refuses_a_different_backend_and_a_dead_group_is_rebuilt(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import ddpkit
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        env = ddpkit.init(backend="gloo", timeout=timedelta(seconds=30))
+        assert ddpkit.init(backend="gloo") is env
+        with pytest.raises(ValueError, match=r"backend='mpi'.*already joined with backend 'gloo'.*shutdown"):
+            ddpkit.init(backend="mpi")
+        dist.destroy_process_group()  # behind ddpkit's back
+        assert ddpkit.init().world_size == 1 and dist.is_initialized()
+    finally:
+        ddpkit.shutdown()
+    with pytest.raises(ValueError, match=r"timeout=.* must be a positive duration"):
+        ddpkit.init(timeout=timedelta(0))
