@@ -47,6 +47,13 @@ def _reduce_op(op: str) -> tuple[str, Any]:
     return op.lower(), REDUCE_OPS[op.lower()]
 
 
+def _check_mean(function: str, op_name: str, tensor: torch.Tensor) -> None:
+    """A mean divides in place, which an integer tensor cannot hold: refuse it on every world size."""
+    if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}. "
+                        "HINT: convert with .float(), or reduce with op='sum'.")
+
+
 def _check_tensor(name: str, tensor: Any) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
@@ -56,9 +63,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     """Reduce ``tensor`` over all ranks in place (op: sum, mean, max, min, product); returns it."""
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
-    if name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"all_reduce(op='mean') needs a floating-point tensor, got {tensor.dtype}. "
-                        "HINT: convert with .float(), or reduce with op='sum'.")
+    _check_mean("all_reduce", name, tensor)
     if _world_size(group) == 1:
         return tensor
     dist.all_reduce(tensor, op=reduce_op, group=group)
@@ -168,6 +173,8 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
         for i, chunk in enumerate(chunks):
             _check_tensor(f"tensor[{i}]", chunk)
     name, reduce_op = _reduce_op(op)
+    for chunk in chunks:
+        _check_mean("reduce_scatter", name, chunk)
     if world_size == 1:
         return chunks[0].clone()
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)

@@ -32,6 +32,9 @@ def test_unknown_reduce_op_is_named(op):
 def test_mean_of_an_integer_tensor_is_refused():
     with pytest.raises(TypeError, match=r"op='mean'.*torch.int64"):
         ddpkit.all_reduce(torch.ones(2, dtype=torch.int64), "mean")
+    # reduce_scatter too, and already in a world of one, so the error does not wait for a cluster
+    with pytest.raises(TypeError, match=r"reduce_scatter\(op='mean'\).*torch.int64"):
+        ddpkit.reduce_scatter(torch.arange(4), "mean")
 
 
 def test_non_tensor_input_is_refused():
