@@ -92,6 +92,15 @@ def test_other_rendezvous_backends_are_refused_with_a_hint():
         parse_args(["--rdzv-backend", "c10d", "t.py"], environ={})
 
 
+def test_torchrun_command_lines_with_endpoint_and_output_flags_parse():
+    config = parse_args(["--rdzv_endpoint=node0:29400", "--nnodes", "2", "--node-rank", "1", "--tee", "3",
+                         "-r", "3", "--start-method", "fork", "--run-path", "t.py", "-r", "x"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes) == ("node0", 29400, 2)
+    assert config.command[-3:] == ("t.py", "-r", "x")
+    assert parse_args(["--rdzv-endpoint", "localhost:0", "t.py"], environ={}).master_port is None
+    assert parse_args(["--rdzv-endpoint", "[::1]:7", "t.py"], environ={}).master_addr == "::1"
+
+
 def test_cli_reports_a_bad_flag_in_one_line(capsys):
     assert main(["--nnodes", "1:8", "t.py"]) == 2
     assert capsys.readouterr().err.startswith("ddpkit run: error: --nnodes '1:8' asks for an elastic")

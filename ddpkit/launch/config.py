@@ -109,7 +109,23 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
                    default=pet("rdzv_backend", "static"),
                    help="only 'static' (torchrun's default) is supported.")
+    p.add_argument(*_spellings("rdzv-endpoint"), dest="rdzv_endpoint", default=pet("rdzv_endpoint", ""),
+                   metavar="HOST[:PORT]",
+                   help="with the static rendezvous, as in torchrun: node 0's address and port, in "
+                   "place of --master-addr/--master-port.")
     p.add_argument("--role", default=pet("role", "default"), help="ROLE_NAME given to the workers.")
+    # accepted so that torchrun command lines run unchanged; ddpkit's behaviour does not depend on them
+    p.add_argument(*_spellings("start-method"), dest="start_method", default=pet("start_method", "spawn"),
+                   choices=("spawn", "fork", "forkserver"),
+                   help="accepted for torchrun compatibility: every worker is a fresh process anyway.")
+    p.add_argument(*_spellings("run-path"), dest="run_path", action="store_true",
+                   default=pet_flag("run_path"),
+                   help="accepted for torchrun compatibility: the script is run by its path anyway.")
+    p.add_argument("-t", "--tee", default=pet("tee", None), metavar="STREAMS",
+                   help="accepted for torchrun compatibility: every rank's output is always shown, "
+                   "prefixed with [rank<r>]:, and kept per rank with --log-dir.")
+    p.add_argument("-r", "--redirects", default=pet("redirects", None), metavar="STREAMS",
+                   help="accepted for torchrun compatibility (see --tee).")
     p.add_argument("-m", "--module", action="store_true", default=pet_flag("module"),
                    help="run the script as a module, like 'python -m'.")
     p.add_argument(*_spellings("no-python"), dest="no_python", action="store_true",
@@ -163,6 +179,14 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     for name in ("rdzv_timeout", "grace_period", "monitor_interval"):
         if float(getattr(args, name)) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}.")
+    if args.rdzv_endpoint:
+        # torchrun's static rendezvous takes node 0's address from the endpoint when one is given
+        host, _, port = str(args.rdzv_endpoint).strip().rpartition(":")
+        if not host or not port.isdigit():
+            host, port = str(args.rdzv_endpoint).strip(), ""
+        args.master_addr = host.strip("[]")  # an IPv6 endpoint is written [addr]:port
+        if port:
+            args.master_port = int(port) or None  # port 0: any free port, as in torchrun
     master_port = None if args.master_port is None else int(args.master_port)
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
