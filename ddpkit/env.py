@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -55,13 +56,14 @@ class DistEnv:
         return dataclasses.replace(self, **changes)
 
 
-def detect(environ: Mapping[str, str]) -> DistEnv:
-    """Read the job layout from ``environ`` (usually ``os.environ``).
+def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read the job layout from ``environ`` (``os.environ`` when not given; it is only read).
 
     Raises:
         ValueError: the variables are incomplete or contradict each other; the message names the
             variable, its value, and the fix.
     """
+    environ = os.environ if environ is None else environ
     for source in (_from_torchrun, _from_slurm, _from_mpi):
         env = source(environ)
         if env is not None:

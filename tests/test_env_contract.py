@@ -78,3 +78,11 @@ def test_second_init_refuses_a_different_backend_and_a_dead_group_is_rebuilt(mon
         ddpkit.shutdown()
     with pytest.raises(ValueError, match=r"timeout=.* must be a positive duration"):
         ddpkit.init(timeout=timedelta(0))
+
+
+def test_detect_reads_os_environ_when_given_nothing(monkeypatch):
+    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert detect().launcher == "torchrun"
