@@ -40,7 +40,11 @@ def _rank(group) -> int:
     return dist.get_rank(group) if _active(group) else 0
 
 
-def _reduce_op(op: str) -> tuple[str, Any]:
+def _reduce_op(op: Any) -> tuple[str, Any]:
+    # torch's own dist.ReduceOp.SUM etc., so that code written for dist.all_reduce ports unchanged
+    torch_name = getattr(op, "name", None) if isinstance(op, dist.ReduceOp.RedOpType) else None
+    if isinstance(torch_name, str) and torch_name.lower() in REDUCE_OPS:
+        op = torch_name
     if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
         raise ValueError(f"op={op!r} is not a reduction ddpkit knows: use one of "
                          f"{sorted(set(REDUCE_OPS) - {'avg', 'prod'})}.")
@@ -60,7 +64,11 @@ def _check_tensor(name: str, tensor: Any) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place (op: sum, mean, max, min, product); returns it."""
+    """Reduce ``tensor`` over all ranks in place; returns it.
+
+    ``op`` is "sum", "mean", "max", "min" or "product", or torch's ``dist.ReduceOp`` of the same name
+    (``ReduceOp.AVG`` is "mean").
+    """
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
     _check_mean("all_reduce", name, tensor)

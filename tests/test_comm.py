@@ -48,6 +48,8 @@ def _every_collective():
     for op in ("sum", "mean", "max", "min", "product"):
         out[op] = ddpkit.all_reduce(torch.tensor([rank + 1.0, -(rank + 1.0)]), op).tolist()
     out["int_sum"] = ddpkit.all_reduce(torch.tensor([rank + 1])).tolist()
+    out["torch_ops"] = [ddpkit.all_reduce(torch.tensor([rank + 1.0]), op).item()
+                        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG)]
     out["broadcast"] = ddpkit.broadcast(torch.full((2,), float(rank)), src=world - 1).tolist()
     out["object"] = ddpkit.broadcast_object({"from": rank, "items": [rank] * 3}, src=1)
     out["objects"] = ddpkit.all_gather_object(("rank", rank, [None] * rank))
@@ -77,6 +79,7 @@ def test_every_collective_against_hand_computed_values(world):
         assert out["min"] == [1.0, -world]
         assert out["product"] == [product, (-1) ** world * product]
         assert out["int_sum"] == [total]
+        assert out["torch_ops"] == pytest.approx([total, world, total / world])
         assert out["broadcast"] == [world - 1.0] * 2
         assert out["object"] == {"from": 1, "items": [1, 1, 1]}
         assert out["objects"] == [("rank", r, [None] * r) for r in range(world)]
