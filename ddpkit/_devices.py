@@ -10,7 +10,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["DeviceLike", "as_device", "as_devices", "device_id"]
+__all__ = ["DeviceLike", "as_device", "as_devices", "check_available", "device_id"]
 
 DeviceLike = Union[int, str, torch.device]
 
@@ -65,6 +65,23 @@ def as_devices(devices: Sequence[DeviceLike], *, what: str = "devices") -> list[
             f"{devices!r}. HINT: wrap it in a list, e.g. [{devices!r}]."
         )
     return [as_device(d, what=f"{what}[{i}]") for i, d in enumerate(devices)]
+
+
+def check_available(device: torch.device, what: str) -> None:
+    """Raise unless ``device`` exists here: CUDA usable, and the index below the device count."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{what} is {device}, but CUDA is not available on this machine. "
+            "HINT: use 'cpu' (possibly several times) instead."
+        )
+    count = torch.cuda.device_count()
+    if device.index >= count:
+        raise ValueError(
+            f"{what} is {device}, but this machine has {count} CUDA device(s): expected an index in "
+            f"[0, {count}). HINT: check CUDA_VISIBLE_DEVICES."
+        )
 
 
 def device_id(device: torch.device) -> int | torch.device:

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from ddpkit._devices import DeviceLike, as_device, as_devices, device_id
+from ddpkit._devices import DeviceLike, as_device, as_devices, check_available, device_id
 from ddpkit.parallel_apply import parallel_apply
 from ddpkit.replicate import replicate
 from ddpkit.scatter_gather import gather, scatter_kwargs
@@ -30,22 +30,6 @@ _IMBALANCE_WARNING = """
     has less than 75% of the memory or cores of GPU {}. You can do so by setting
     the device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES
     environment variable."""
-
-
-def _check_cuda_exists(device: torch.device, what: str) -> None:
-    if device.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"{what} is {device}, but CUDA is not available on this machine. "
-            "HINT: use 'cpu' (possibly several times) instead."
-        )
-    count = torch.cuda.device_count()
-    if device.index >= count:
-        raise ValueError(
-            f"{what} is {device}, but this machine has {count} CUDA device(s): expected an index in "
-            f"[0, {count}). HINT: check CUDA_VISIBLE_DEVICES."
-        )
 
 
 def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
@@ -63,7 +47,7 @@ def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.d
             "HINT: pass device_ids=None to use every GPU, or name devices, e.g. ['cpu', 'cpu']."
         )
     for i, device in enumerate(devices):
-        _check_cuda_exists(device, f"device_ids[{i}]")
+        check_available(device, f"device_ids[{i}]")
     return devices
 
 
@@ -73,7 +57,7 @@ def _resolve_output_device(output_device: DeviceLike | None, devices: list[torch
     if isinstance(output_device, int) and not isinstance(output_device, bool) and output_device == -1:
         return -1  # torch's spelling of the CPU, kept as given
     device = as_device(output_device, what="output_device")
-    _check_cuda_exists(device, "output_device")
+    check_available(device, "output_device")
     return device_id(device)
 
 

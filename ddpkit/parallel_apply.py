@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit._devices import DeviceLike, as_device
+from ddpkit._devices import DeviceLike, as_device, check_available
 
 __all__ = ["parallel_apply"]
 
@@ -76,7 +76,9 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 def _resolve_device(index: int, device: DeviceLike | None, inputs: Any, kwargs: dict[str, Any]) -> torch.device | None:
     """The replica's device: the one given, else that of its first tensor input (as torch)."""
     if device is not None:
-        return as_device(device, what=f"devices[{index}]")
+        resolved = as_device(device, what=f"devices[{index}]")
+        check_available(resolved, f"devices[{index}]")
+        return resolved
     found = _first_tensor((inputs, kwargs))
     return None if found is None else found.device
 

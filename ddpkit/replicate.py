@@ -17,7 +17,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from ddpkit._devices import DeviceLike, as_devices
+from ddpkit._devices import DeviceLike, as_devices, check_available
 
 __all__ = ["replicate"]
 
@@ -101,6 +101,8 @@ def replicate(module: M, devices: Sequence[DeviceLike], detach: bool = False) ->
     """
     _check_replicatable(module)
     targets = as_devices(devices)
+    for i, device in enumerate(targets):
+        check_available(device, f"devices[{i}]")
     if not targets:
         return []
 

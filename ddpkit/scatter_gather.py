@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ddpkit._devices import DeviceLike, as_device, as_devices
+from ddpkit._devices import DeviceLike, as_device, as_devices, check_available
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
@@ -49,8 +49,52 @@ def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
 
 def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> list[torch.Tensor]:
     _check_dim(t, dim, "scatter")
-    # chunk gives differentiable views; .to is a no-op on the same device and a differentiable copy across
-    return [chunk.to(device) for chunk, device in zip(t.chunk(len(devices), dim), devices)]
+    # A copy on every device, as torch's cross-device scatter gives: a chunk that stayed a view of
+    # the input would refuse a replica's in-place op (ReLU(inplace=True)) and, along dim 1, .view().
+    return [chunk.to(device, copy=True) for chunk, device in zip(t.chunk(len(devices), dim), devices)]
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    if _is_dataclass_instance(obj):
+        return any(_holds_tensor(getattr(obj, n)) for n in _init_fields(obj))
+    return False
+
+
+def _scatter_each(values: Sequence[Any], devices: list[torch.device], dim: int) -> list[list[Any]]:
+    """Scatter every value; those holding tensors must split into the same number of chunks.
+
+    Objects passed by reference come once per device and are cut to the tensors' count, as torch's
+    zip does; tensors that split differently would leave some replica without its share of the
+    batch (torch then drops rows silently), so that is an error here.
+    """
+    scattered = [_scatter_map(v, devices, dim) for v in values]
+    counts = {len(s) for s, v in zip(scattered, values) if _holds_tensor(v)}
+    if len(counts) > 1:
+        sizes = [tuple(t.shape) for v in values for t in _tensors(v)][:8]
+        raise ValueError(
+            f"cannot scatter inputs over {len(devices)} devices along dim={dim}: their tensors split "
+            f"into different numbers of chunks {sorted(counts)} (shapes {sizes}), so some replica "
+            "would get only part of its inputs. HINT: give every batched input the same size along "
+            "dim, and pass unbatched tensors as module attributes or buffers instead of inputs.")
+    return scattered
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    elif _is_dataclass_instance(obj):
+        obj = [getattr(obj, n) for n in _init_fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
 
 
 def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
@@ -58,19 +102,19 @@ def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
     if isinstance(obj, torch.Tensor):
         return _scatter_tensor(obj, devices, dim)
     if _is_namedtuple(obj) and len(obj) > 0:
-        return [type(obj)(*items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+        return [type(obj)(*items) for items in zip(*_scatter_each(obj, devices, dim))]
     if isinstance(obj, tuple) and len(obj) > 0:
-        return [tuple(items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+        return [tuple(items) for items in zip(*_scatter_each(obj, devices, dim))]
     if isinstance(obj, list) and len(obj) > 0:
-        return [list(items) for items in zip(*(_scatter_map(v, devices, dim) for v in obj))]
+        return [list(items) for items in zip(*_scatter_each(obj, devices, dim))]
     if isinstance(obj, dict) and len(obj) > 0:
         keys = list(obj)
-        per_device = zip(*(_scatter_map(obj[k], devices, dim) for k in keys))
+        per_device = zip(*_scatter_each([obj[k] for k in keys], devices, dim))
         return [type(obj)(zip(keys, values)) for values in per_device]
     if _is_dataclass_instance(obj):
         names = _init_fields(obj)
         if names:
-            per_device = zip(*(_scatter_map(getattr(obj, n), devices, dim) for n in names))
+            per_device = zip(*_scatter_each([getattr(obj, n) for n in names], devices, dim))
             return [dataclasses.replace(obj, **dict(zip(names, values))) for values in per_device]
     return [obj for _ in devices]
 
@@ -81,6 +125,8 @@ def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
         raise ValueError(
             "target_devices is empty: expected at least one device. HINT: pass e.g. ['cpu', 'cpu'] or [0, 1]."
         )
+    for i, device in enumerate(devices):
+        check_available(device, f"target_devices[{i}]")
     return devices
 
 
@@ -103,10 +149,20 @@ def scatter_kwargs(
     target_devices: Sequence[DeviceLike],
     dim: int = 0,
 ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
-    """Scatter positional and keyword inputs; the shorter side is padded with () or {} as torch does."""
+    """Scatter positional and keyword inputs; the shorter side is padded with () or {} as torch does.
+
+    Raises:
+        ValueError: positional and keyword tensors split into different numbers of chunks (torch
+            pads the keyword side with ``{}`` there, so the last replicas silently lose their kwargs).
+    """
     devices = _target_devices(target_devices)
-    scattered_inputs = [tuple(x) for x in _scatter_map(tuple(inputs), devices, dim)] if inputs else []
-    scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    if inputs and kwargs:
+        pairs = list(zip(*_scatter_each([tuple(inputs), kwargs], devices, dim)))
+        scattered_inputs, scattered_kwargs = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        scattered_inputs = _scatter_map(tuple(inputs), devices, dim) if inputs else []
+        scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    scattered_inputs = [tuple(x) for x in scattered_inputs]
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):
@@ -175,4 +231,5 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
         target = torch.device("cpu")
     else:
         target = as_device(target_device, what="target_device")
+        check_available(target, "target_device")
     return _gather_map(outputs, target, dim)

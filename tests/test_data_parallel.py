@@ -193,6 +193,26 @@ def test_the_four_steps_can_be_overridden():
     assert calls == ["scatter", "replicate", "parallel_apply", "gather"]
 
 
+@pytest.mark.parametrize("devices", [["cpu"] * n for n in (1, 2, 3)], ids=lambda d: f"{len(d)}xcpu")
+def test_a_replica_may_change_its_input_in_place(devices):
+    backbone, head = nn.Linear(5, 8), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 2))
+    x = torch.randn(12, 5)
+    want = head(backbone(x))
+    got = DataParallel(head, device_ids=devices)(backbone(x))
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+
+
+def test_a_time_major_module_may_view_its_dim_1_chunk():
+    class TimeMajor(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            steps, batch, features = x.shape
+            return x.view(steps * batch, features).sum(1).view(steps, batch)
+
+    x = torch.randn(4, 6, 3)
+    torch.testing.assert_close(DataParallel(TimeMajor(), ["cpu"] * 3, dim=1)(x), TimeMajor()(x))
+
+
 def test_an_error_in_a_replica_names_it_and_its_device():
     x = torch.zeros(4, 5)
     x[2:, 0] = 1.0

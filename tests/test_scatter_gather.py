@@ -121,6 +121,33 @@ def test_scatter_kwargs_splits_positional_and_keyword_tensors_alike():
         torch.testing.assert_close(ki["y"], want_y)
 
 
+def test_scatter_gives_every_device_a_contiguous_copy_not_a_view_of_the_input():
+    x = torch.randn(6, 8)
+    for chunk in scatter(x, ["cpu"] * 3, dim=1):
+        assert chunk.is_contiguous() and chunk.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_tensors_that_split_into_different_chunk_counts_are_rejected_with_their_shapes():
+    x, short = torch.randn(8, 2), torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"different numbers of chunks \[3, 4\] \(shapes \[\(8, 2\), \(3, 2\)\]\)"):
+        scatter((x, short), ["cpu"] * 4)
+    with pytest.raises(ValueError, match=r"different numbers of chunks \[3, 4\]"):
+        scatter_kwargs((x,), {"mask": short}, ["cpu"] * 4)
+
+
+def test_objects_passed_by_reference_follow_a_short_batch():
+    inputs, kwargs = scatter_kwargs(("mode",), {"x": torch.randn(3, 2)}, ["cpu"] * 8)
+    assert inputs == (("mode",),) * 3 and len(kwargs) == 3
+
+
+def test_cuda_targets_without_cuda_are_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"target_devices\[0\] is cuda:0, but CUDA is not available"):
+        scatter(torch.zeros(4), [0, 1])
+    with pytest.raises(ValueError, match=r"target_device is cuda:0, but CUDA is not available"):
+        gather([torch.zeros(2)], 0)
+
+
 @pytest.mark.parametrize("devices", DEVICES)
 def test_gather_inverts_scatter_over_nested_structures(devices):
     x, mask = torch.randn(8, 3), torch.rand(8) > 0.5
