@@ -33,7 +33,15 @@ def _active(group) -> bool:
 
 
 def _world_size(group) -> int:
-    return dist.get_world_size(group) if _active(group) else 1
+    """The group's size; raises on a rank outside ``group`` (torch would quietly do nothing there)."""
+    if not _active(group):
+        return 1
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of this group (its ranks are "
+            f"{dist.get_process_group_ranks(group)}), so it takes no part in the group's collectives. "
+            "HINT: call them only on the group's members, e.g. `if dist.get_rank() in ranks:`.")
+    return dist.get_world_size(group)
 
 
 def _rank(group) -> int:
@@ -81,31 +89,38 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
-    """Overwrite ``tensor`` on every rank with rank ``src``'s; returns it."""
+    """Overwrite ``tensor`` on every rank with rank ``src``'s; returns it.
+
+    ``src`` is a global rank, as in ``torch.distributed.broadcast``, also with a subgroup.
+    """
     _check_tensor("tensor", tensor)
-    world_size = _world_size(group)
-    if not 0 <= src < world_size:
-        raise ValueError(f"src={src} is not a rank of this group of {world_size}.")
-    if world_size > 1:
-        dist.broadcast(tensor, src=_global_rank(group, src), group=group)
+    if _check_src(src, group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
-    """Return rank ``src``'s ``obj`` (any picklable object) on every rank."""
-    world_size = _world_size(group)
-    if not 0 <= src < world_size:
-        raise ValueError(f"src={src} is not a rank of this group of {world_size}.")
-    if world_size == 1:
+    """Return rank ``src``'s ``obj`` (any picklable object) on every rank; ``src`` as in broadcast."""
+    if _check_src(src, group) == 1:
         return obj
     device = _comm_device(group)
-    payload = _to_bytes_tensor(obj) if _rank(group) == src else torch.empty(0, dtype=torch.uint8)
+    sending = dist.get_rank() == src
+    payload = _to_bytes_tensor(obj) if sending else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=_global_rank(group, src), group=group)
-    buffer = payload.to(device) if _rank(group) == src else torch.empty(
-        int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=_global_rank(group, src), group=group)
-    return obj if _rank(group) == src else _from_bytes_tensor(buffer)
+    dist.broadcast(size, src=src, group=group)
+    buffer = payload.to(device) if sending else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src, group=group)
+    return obj if sending else _from_bytes_tensor(buffer)
+
+
+def _check_src(src: int, group) -> int:
+    """The group's size, once ``src`` is known to be one of its (global) ranks."""
+    world_size = _world_size(group)
+    members = list(range(world_size)) if group is None or world_size == 1 else dist.get_process_group_ranks(group)
+    if isinstance(src, bool) or not isinstance(src, int) or src not in members:
+        raise ValueError(f"src={src!r} is not a rank of this group (its ranks are {members}). HINT: src "
+                         "is a global rank, as in torch.distributed.broadcast.")
+    return world_size
 
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:
@@ -173,6 +188,8 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
         if tensor.dim() == 0:
             raise ValueError("reduce_scatter needs a tensor with a first dimension to split, got a scalar.")
         chunks = list(torch.tensor_split(tensor, world_size))
+    elif not isinstance(tensor, (list, tuple)):
+        raise TypeError(f"reduce_scatter takes a tensor or a list of tensors, got {type(tensor).__name__}.")
     else:
         chunks = list(tensor)
         if len(chunks) != world_size:
@@ -203,10 +220,6 @@ def barrier(group=None) -> None:
     """Wait until every rank of the group arrives here."""
     if _world_size(group) > 1:
         dist.barrier(group=group)
-
-
-def _global_rank(group, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def _comm_device(group) -> torch.device:

@@ -8,6 +8,8 @@ complete says how many ranks arrived and where they were looking.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -32,8 +34,10 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
-# What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
+# What init() set up, so that a second init() returns it and shutdown() knows what to destroy; and
+# how many groups this process has joined, so that an init() after shutdown() meets on fresh keys.
 _state: dict[str, DistEnv | None] = {"env": None}
+_joined = [0]
 
 
 def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistEnv:
@@ -121,10 +125,12 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, timedelta):
         if timeout <= timedelta(0):
-            raise ValueError(f"timeout={timeout!r} must be a positive duration.")
+            raise ValueError(f"timeout={timeout!r} must be a positive duration. HINT: the default is "
+                             "5 minutes; pass e.g. timedelta(minutes=10).")
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta.")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
+                         "timedelta. HINT: the default is 5 minutes; pass e.g. timeout=600.")
     return timedelta(seconds=timeout)
 
 
@@ -175,13 +181,20 @@ def _adopt_existing_group() -> DistEnv:
 
 
 def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
-    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank has arrived."""
+    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank has arrived.
+
+    One deadline covers both steps: torch's client retries its connection with a backoff that
+    overshoots its timeout about twice over, so a client first waits for the port with plain sockets.
+    """
     address = f"{env.master_addr}:{env.master_port}"
+    deadline = time.monotonic() + timeout.total_seconds()
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosting = env.rank == 0 and not agent_hosts_store
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.rank == 0 and not agent_hosts_store,
-                              timeout=timeout, wait_for_workers=False)
+        if not hosting:
+            _wait_until_listening(env.master_addr, env.master_port, deadline)
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosting,
+                              timeout=_left(deadline), wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         who = "the launcher" if agent_hosts_store else "rank 0"
         raise RuntimeError(
@@ -190,19 +203,40 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
             f"MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on every "
             "rank, that rank 0 is running, and that the port is free and reachable."
         ) from e
-    # a restarted group must not read the previous attempt's keys from a store that outlived it
+    # A restarted group, or one joined again after shutdown(), must not read the keys of the
+    # previous one from a store that outlived it (the launcher's): every rank counts alike.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"ddpkit/attempt{attempt}", store)
+    _joined[0] += 1
+    store = dist.PrefixStore(f"ddpkit/attempt{attempt}/group{_joined[0]}", store)
     arrived = store.add("arrived", 1)
     if arrived == env.world_size:
         store.set("complete", "1")
     try:
-        store.wait(["complete"], timeout)
+        store.wait(["complete"], _left(deadline))
     except (RuntimeError, OSError) as e:
-        joined = store.add("arrived", 0)
+        try:
+            joined = f"only {store.add('arrived', 0)}"
+        except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
+            joined = f"rank 0 gave up and closed the store, so not all"
         raise RuntimeError(
-            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: only {joined} "
+            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
             f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}). HINT: a rank "
             "failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
         ) from e
     return store
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+
+
+def _wait_until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once ``host:port`` accepts a connection; OSError at the deadline."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing accepted a connection there ({e})") from e
+            time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

@@ -91,17 +91,36 @@ def test_every_collective_against_hand_computed_values(world):
 
 
 def _subgroup_sum():
-    group = dist.new_group([0, 1])
-    if ddpkit.get_rank() > 1:
-        return None
+    group = dist.new_group([1, 2])
+    if ddpkit.get_rank() == 0:
+        try:
+            ddpkit.all_reduce(torch.ones(1), "mean", group=group)
+        except ValueError as e:
+            return str(e)
+        return "no error"
     t = ddpkit.all_reduce(torch.tensor([ddpkit.get_rank() + 1.0]), group=group)
-    src_value = ddpkit.broadcast(torch.tensor([float(ddpkit.get_rank())]), src=1, group=group)
-    return t.item(), src_value.item(), len(ddpkit.all_gather(torch.ones(1), group=group))
+    src_value = ddpkit.broadcast(torch.tensor([float(ddpkit.get_rank())]), src=2, group=group)
+    obj = ddpkit.broadcast_object({"from": ddpkit.get_rank()}, src=2, group=group)
+    return t.item(), src_value.item(), obj, len(ddpkit.all_gather(torch.ones(1), group=group))
 
 
 @pytest.mark.timeout(60)
-def test_collectives_respect_the_group_argument():
-    assert run_ranks(_subgroup_sum, 3) == [(3.0, 1.0, 2), (3.0, 1.0, 2), None]
+def test_collectives_respect_the_group_argument_and_src_is_a_global_rank_as_in_torch():
+    outside, *members = run_ranks(_subgroup_sum, 3)
+    assert members == [(5.0, 2.0, {"from": 2}, 2)] * 2
+    assert outside.startswith("rank 0 is not a member of this group (its ranks are [1, 2])")
+
+
+def _broadcast_from_outside_the_group():
+    group = dist.new_group([0, 1])
+    if ddpkit.get_rank() < 2:
+        ddpkit.broadcast(torch.ones(1), src=2, group=group)
+
+
+@pytest.mark.timeout(60)
+def test_a_src_outside_the_group_is_named():
+    with pytest.raises(RankFailure, match=r"src=2 is not a rank of this group \(its ranks are \[0, 1\]\)"):
+        run_ranks(_broadcast_from_outside_the_group, 3)
 
 
 def _gather_mismatched_trailing_dims():

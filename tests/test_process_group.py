@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -63,9 +64,10 @@ def test_bad_backend_is_named(single_process, backend, message):
         ddpkit.init(backend=backend)
 
 
-def test_bad_timeout_is_named(single_process):
-    with pytest.raises(ValueError, match=r"timeout=-1 must be a positive number"):
-        ddpkit.init(timeout=-1)
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "10"])
+def test_bad_timeout_is_named(single_process, timeout):
+    with pytest.raises(ValueError, match=rf"timeout={re.escape(repr(timeout))} must be a positive, finite number"):
+        ddpkit.init(timeout=timeout)
 
 
 def _describe_init():
@@ -89,6 +91,21 @@ def test_init_and_shutdown_in_a_real_world(world):
         assert not still_initialized
 
 
+def _join_three_times():
+    sums = []
+    for round_ in range(1, 4):
+        env = ddpkit.init(backend="gloo", timeout=30)
+        sums.append(ddpkit.all_reduce(torch.tensor([float(env.rank + round_)])).item())
+        ddpkit.shutdown()
+    return sums
+
+
+@pytest.mark.timeout(60)
+def test_init_after_shutdown_meets_on_fresh_keys_of_the_launchers_store():
+    for rank_sums in run_ranks(_join_three_times, 2, init=False):
+        assert rank_sums == [3.0, 5.0, 7.0]
+
+
 def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env},
@@ -96,13 +113,20 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subproce
 
 
 INIT_WITH_SHORT_TIMEOUT = """
+    import time
     import ddpkit
+    start = time.monotonic()
     try:
         ddpkit.init(backend="gloo", timeout=2)
     except RuntimeError as e:
         print(e)
+        print(f"gave up after {time.monotonic() - start:.1f} s")
         raise SystemExit(3)
 """
+
+
+def _gave_up_after(stdout: str) -> float:
+    return float(re.search(r"gave up after ([0-9.]+) s", stdout).group(1))
 
 
 @pytest.mark.timeout(60)
@@ -123,3 +147,23 @@ def test_unreachable_rendezvous_names_the_address():
     assert result.returncode == 3, result.stderr
     assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port}" in result.stdout
     assert "MASTER_ADDR=127.0.0.1" in result.stdout
+    assert _gave_up_after(result.stdout) < 3.5  # the 2 s asked for, not torch's connect backoff (~4.5 s)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_joined_hears_why_when_rank_0_gives_up_first():
+    with socket.socket() as probe:  # rank 0 hosts the store: it needs a port nobody holds
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(INIT_WITH_SHORT_TIMEOUT)],
+                              env={**os.environ, **rank_env(r, 3, port, agent_store=False)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=50) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for p, (stdout, stderr) in zip(ranks, outputs):
+        assert p.returncode == 3, stderr
+        assert "timed out after 2 s" in stdout and "of WORLD_SIZE=3 ranks joined" in stdout
