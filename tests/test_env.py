@@ -1,6 +1,8 @@
 """Environment detection: every launcher's variables, hostlists, and each invalid setting's message."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ddpkit.env import DistEnv, detect, expand_hostlist
@@ -46,9 +48,7 @@ def test_torchrun_variables_win_over_slurm():
     assert (env.rank, env.launcher) == (3, "torchrun")
 
 
-@pytest.mark.parametrize(
-    "environ, message",
-    [
+TORCHRUN_ERRORS = [
         ({**TORCHRUN, "RANK": "8"}, r"RANK=8 is out of range for WORLD_SIZE=8: RANK must be in \[0, 8\)"),
         ({**TORCHRUN, "RANK": "-1"}, r"RANK=-1 must be >= 0"),
         ({**TORCHRUN, "RANK": "one"}, r"RANK='one' is not an integer"),
@@ -61,8 +61,15 @@ def test_torchrun_variables_win_over_slurm():
         ({**TORCHRUN, "LOCAL_WORLD_SIZE": "16"}, r"LOCAL_WORLD_SIZE=16 is larger than WORLD_SIZE=8"),
         ({**TORCHRUN, "MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port"),
         ({**TORCHRUN, "MASTER_PORT": "http"}, r"MASTER_PORT='http' is not an integer"),
-    ],
-)
+        ({**TORCHRUN, "MASTER_PORT": "0"}, r"MASTER_PORT=0 must be >= 1"),
+        ({**TORCHRUN, "GROUP_RANK": "4"}, r"GROUP_RANK=4 is out of range for the nodes of WORLD_SIZE=8 "
+                                          r"processes, LOCAL_WORLD_SIZE=2 per node: .*\[0, 4\)"),
+        ({**TORCHRUN, "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "2"},
+         r"GROUP_RANK=2 is out of range for GROUP_WORLD_SIZE=2"),
+]
+
+
+@pytest.mark.parametrize("environ, message", TORCHRUN_ERRORS)
 def test_invalid_torchrun_settings_name_the_variable_and_value(environ, message):
     with pytest.raises(ValueError, match=message):
         detect(environ)
@@ -103,19 +110,63 @@ def test_slurm_single_task_without_nodelist():
     assert (env.world_size, env.launcher, env.master_addr) == (1, "slurm", "127.0.0.1")
 
 
-@pytest.mark.parametrize(
-    "changes, message",
-    [
+SLURM_ERRORS = [
         ({"SLURM_NTASKS": "6"}, r"SLURM_NTASKS=6 disagrees with 4 node\(s\) x SLURM_NTASKS_PER_NODE=2 = 8"),
         ({"SLURM_PROCID": "8"}, r"SLURM_PROCID=8 is out of range for SLURM_NTASKS=8"),
         ({"SLURM_PROCID": "x"}, r"SLURM_PROCID='x' is not an integer"),
         ({"SLURM_LOCALID": "2"}, r"SLURM_LOCALID=2 is out of range"),
         ({"SLURM_JOB_NODELIST": "gpu-[01-03"}, r"'\[' without its '\]'"),
-    ],
-)
+        ({"SLURM_JOB_NODELIST": "gpu-[3-1]"}, r"SLURM_JOB_NODELIST='gpu-\[3-1\]': .* runs backwards"),
+        ({"SLURM_NTASKS": "7", "SLURM_TASKS_PER_NODE": "2(x4)"},
+         r"SLURM_NTASKS=7 disagrees with SLURM_TASKS_PER_NODE='2\(x4\)' = 8 tasks"),
+        ({"SLURM_NODEID": "4"}, r"SLURM_NODEID=4 is out of range for SLURM_JOB_NUM_NODES=4"),
+        ({"SLURM_NTASKS_PER_NODE": "2(3)"}, r"SLURM_NTASKS_PER_NODE='2\(3\)' is not in SLURM's format"),
+]
+
+
+@pytest.mark.parametrize("changes, message", SLURM_ERRORS)
 def test_invalid_slurm_settings(changes, message):
     with pytest.raises(ValueError, match=message):
         detect({**SLURM, **changes})
+
+
+MPI_ERRORS = [{"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, {"PMI_RANK": "1"},
+              {"PMIX_RANK": "-1", "PMIX_SIZE": "2"},
+              {"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "1_0"}]
+
+
+@pytest.mark.parametrize("environ", [e for e, _ in TORCHRUN_ERRORS] + MPI_ERRORS
+                         + [{**SLURM, **c} for c, _ in SLURM_ERRORS])
+def test_every_invalid_setting_ends_with_a_hint(environ):
+    with pytest.raises(ValueError, match=r"^[A-Z0-9_]+=.*\. HINT: [^\n]+$"):
+        detect(environ)
+
+
+@pytest.mark.parametrize("raw", ["1_0", "+1", "1 0", "0x1", "\u0661", "1.0", ""])
+def test_integers_must_be_plain_decimal_digits(raw):
+    with pytest.raises(ValueError, match=rf"^RANK={re.escape(repr(raw))} is not an integer\. HINT: "):
+        detect({**TORCHRUN, "WORLD_SIZE": "20", "RANK": raw})
+
+
+def test_integers_may_have_surrounding_whitespace():
+    assert detect({**TORCHRUN, "RANK": " 3 "}).rank == 3
+
+
+def test_rank_zero_without_master_addr_says_the_other_ranks_cannot_find_it():
+    with pytest.raises(ValueError, match=r"MASTER_ADDR is not, so the other ranks cannot find rank 0\. HINT"):
+        detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"})
+
+
+def test_group_rank_of_an_uneven_node_is_accepted():
+    # 3 processes: node 0 runs one, node 1 (this one) runs two
+    env = detect({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                  "GROUP_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (env.node_rank, env.local_rank) == (1, 1)
+
+
+def test_slurm_procid_without_ntasks_says_ntasks_is_unset():
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=1 is set but SLURM_NTASKS is unset.*HINT"):
+        detect({"SLURM_PROCID": "1", "SLURM_JOB_NODELIST": "n[1-2]"})
 
 
 def test_slurm_without_any_address_for_several_tasks():
