@@ -64,14 +64,21 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.process_group = _default_group() if process_group is None else process_group
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
         self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
-        named = self._parameters_to_reduce()
-        self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
-        self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
+        local_error: Exception | None = None
+        try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
+            named = self._parameters_to_reduce()
+            self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
+            self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
+        except (TypeError, ValueError, RuntimeError) as e:
+            local_error = e
+        if self.world_size > 1:
+            self._verify_same_parameters(local_error)
+        if local_error is not None:
+            raise local_error
         # listed once, as torch does: walking the module tree each forward costs ~1 ms at 400 modules
         self._buffers_to_sync = list(module.buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:
-            self._verify_same_parameters()
             self._broadcast_states(src=0, buffers=broadcast_buffers)
             self.reducer = self._make_reducer(named, first_cap)
 
@@ -108,11 +115,24 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         output = device if output_device is None else _as_device(output_device, types[0])
         return device, [device.index], output
 
-    def _verify_same_parameters(self) -> None:
-        """Raise on every rank, naming the first difference, unless all ranks hold the same tensors."""
-        mine = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+    def _verify_same_parameters(self, local_error: Exception | None) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
+
+        A rank whose own arguments were refused (``local_error``) says so through the same
+        collective, so that the others raise too instead of waiting for it.
+        """
+        mine = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.requires_grad)
                 for n, t in self._states(buffers=self.broadcast_buffers)]
-        everyone = all_gather_object(mine, group=self.process_group)
+        shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
+        gathered = all_gather_object(shared, group=self.process_group)
+        failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
+        if failed and local_error is None:
+            rank, error = failed[0]
+            raise RuntimeError(f"DistributedDataParallel could not be built on rank {rank}: {error} "
+                               f"(this is rank {self.rank}).")
+        if failed:
+            return  # the caller raises this rank's own error
+        everyone = [tensors for _, tensors in gathered]
         for rank in range(1, self.world_size):
             problem = _first_difference(everyone[0], everyone[rank], rank)
             if problem:
@@ -263,8 +283,9 @@ def _as_device(device: int | str | torch.device, device_type: str) -> torch.devi
 
 def _first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
     def describe(entry: tuple, r: int) -> str:
-        name, shape, dtype = entry
-        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype})"
+        name, shape, dtype, requires_grad = entry
+        frozen = "" if requires_grad else ", requires_grad=False"
+        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
 
     for i, (a, b) in enumerate(zip(ref, other)):
         if a != b:

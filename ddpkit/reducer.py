@@ -2,9 +2,13 @@
 
 One iteration, seen from here:
 
-1. ``prepare_for_backward`` (end of a synced forward) arms the hooks; with find_unused_parameters
-   the parameters that the output does not depend on are marked ready at once.
-2. Each parameter's post-accumulate-grad hook counts it ready. When a bucket is complete and every
+1. ``prepare_for_backward`` (end of a synced forward) arms the hooks and notes, with
+   find_unused_parameters, the parameters that the output does not depend on. Several forwards
+   before one backward (a siamese loss, a discarded evaluation forward) share one iteration, as in
+   torch: a parameter counts as unused when none of their outputs reaches it.
+2. The first post-accumulate-grad hook marks the unused parameters ready: not earlier, since a
+   ``zero_grad()`` between forward and backward must still reset their gradients, as in torch.
+   Each parameter's hook counts it ready. When a bucket is complete and every
    bucket before it has been launched, its gradients are scaled into the flat buffer and its
    all-reduce (or comm hook) starts. Strict bucket order means every rank issues the same sequence
    of collectives, whatever order its gradients arrive in.
@@ -67,6 +71,8 @@ class Reducer:
         self._static_unused: list[int] = []
         self._join_work = None
         self._expecting = self._finalized = False
+        self._window_start = 1  # the first forward of the iteration being prepared
+        self._deferred_unused: list[int] | None = None  # marked ready at the first gradient hook
         self._reset_iteration()
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
                          for i, p in enumerate(self.params)]
@@ -130,38 +136,43 @@ class Reducer:
         return self.find_unused or (self.static_graph and self.iterations == 0)
 
     def prepare_for_forward(self) -> None:
-        """Called before a synced forward: the previous one must have been reduced."""
-        if self._expecting:
-            self._expecting = False
-            self._reset_iteration()
+        """Called before a synced forward: a backward that began must have finished."""
+        if self._expecting and self._callback_queued:
+            self._end_iteration(counted=False)
             raise RuntimeError(
-                f"DistributedDataParallel on rank {self.rank}: forward() was called again before the "
-                "previous forward's gradients were reduced (no backward() through its output, or that "
-                "backward failed or reached none of the parameters). HINT: run evaluation under "
-                "torch.no_grad(), run extra forward passes inside ddp.no_sync(), and call backward() "
-                "once per forward."
-            )
+                f"DistributedDataParallel on rank {self.rank}: forward() was called while the previous "
+                "backward() had not finished averaging gradients (it raised, or was interrupted), so "
+                "the ranks may disagree on which buckets were reduced. HINT: let an error in "
+                "backward() end the step on every rank instead of catching it and training on.")
 
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach."""
+        if not self._expecting:  # the first forward of an iteration
+            self._window_start = self.forwards + 1
+            self._deferred_unused = None
         self._expecting, self._finalized = True, False
         self.forwards += 1
         if self.find_unused:
-            self._mark_unused(unused)
+            if self._deferred_unused is None:
+                self._deferred_unused = list(unused)
+            else:  # unused only if no forward of this iteration reaches it
+                reached_now = set(range(len(self.params))) - set(unused)
+                self._deferred_unused = [i for i in self._deferred_unused if i not in reached_now]
         elif self.static_graph and self.iterations > 0:
-            self._mark_unused(self._static_unused)
+            self._deferred_unused = self._static_unused
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: backward through an older forward's graph raises."""
         forward = self.forwards
 
         def check(grad: torch.Tensor) -> None:
-            if forward != self.forwards:
+            if forward < self._window_start:
                 raise RuntimeError(
                     f"DistributedDataParallel on rank {self.rank}: backward() reached the output of "
-                    f"forward pass {forward}, but forward pass {self.forwards} came after it; its "
-                    "gradients would be averaged as if they were the new ones. HINT: call backward() "
-                    "on each forward's loss before the next forward (retain_graph only inside no_sync()).")
+                    f"forward pass {forward}, whose gradients were already averaged, but forward pass "
+                    f"{self.forwards} came after it; its gradients would be averaged as if they were "
+                    "the new ones. HINT: call backward() on each forward's loss before the next "
+                    "backward (retain_graph only inside no_sync()).")
         return check
 
     def prepare_for_local_backward(self) -> None:
@@ -180,14 +191,17 @@ class Reducer:
         if ready[index]:
             raise self._second_gradient_error(index)
         ready[index] = True
-        if not self._callback_queued:
-            self._callback_queued = True
-            queue_end_of_backward_callback(self.finalize_backward)
         if self._record is not None:
             self._record.append(index)
         b = self._bucket_of[index]
         pending = self._pending
         left = pending[b] = pending[b] - 1
+        if not self._callback_queued:  # the first gradient of this backward
+            self._callback_queued = True
+            queue_end_of_backward_callback(self.finalize_backward)
+            if self._deferred_unused:
+                self._mark_unused(self._deferred_unused)  # launches what is complete
+                return
         if not left and b == self._next_bucket:
             self._launch_ready_buckets()
 
@@ -274,8 +288,12 @@ class Reducer:
         """End of backward: launch what is left, wait, check, write the averages back."""
         try:
             missing = self._launch_remaining()
-            tail = self._launch_tail(bool(missing))
-            self._wait_buckets()
+            if self.comm_hook is None:
+                tail = self._launch_tail(bool(missing))
+                self._wait_buckets()
+            else:  # a hook may issue collectives from its futures' callbacks: ours must come after
+                self._wait_buckets()
+                tail = self._launch_tail(bool(missing))
             self._check(tail, missing)
             self._write_back()
             self._finalized = True
@@ -345,9 +363,10 @@ class Reducer:
                 elif not self.as_view:
                     g.copy_(v)
 
-    def _end_iteration(self) -> None:
+    def _end_iteration(self, counted: bool = True) -> None:
         self._expecting = False
-        self.iterations += 1
+        self._deferred_unused = None
+        self.iterations += counted
         self._reset_iteration()
 
 

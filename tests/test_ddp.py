@@ -111,12 +111,20 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
             if local and cfg["accumulate"] == "attribute":
                 ddp.require_backward_grad_sync = False
             with ddp.no_sync() if local and cfg["accumulate"] == "no_sync" else contextlib.nullcontext():
-                ddp(x, **forward_kwargs).square().mean().backward()
+                if cfg.get("discarded_forward"):  # e.g. evaluation without torch.no_grad()
+                    ddp(x + 1, **forward_kwargs)
+                loss = ddp(x, **forward_kwargs).square().mean()
+                if cfg.get("two_forwards"):  # a siamese loss: two forwards, one backward
+                    loss = loss + ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {})).mean()
+                if cfg.get("zero_grad_after_forward"):  # pytorch/examples' ImageNet order
+                    opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+                loss.backward()
             ddp.require_backward_grad_sync = True
             if not local:
                 views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
                 opt.step()
-                opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+                if not cfg.get("zero_grad_after_forward"):
+                    opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
     state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
     grads_none = [p.grad is None for p in ddp.parameters()]
     if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):
@@ -158,6 +166,18 @@ CONFIGS = {
     "allreduce_hook": {"hook": "allreduce_hook", "kwargs": {"bucket_cap_mb": 0.0003}},
     "fp16_hook": {"hook": "fp16_compress_hook"},
     "bf16_hook": {"hook": "bf16_compress_hook"},
+    "find_unused_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
+                                            "kwargs": {"find_unused_parameters": True}},
+    "find_unused_zeroed_after_forward": {"model": "unused", "zero_grad_after_forward": True,
+                                         "set_to_none": False, "kwargs": {"find_unused_parameters": True}},
+    "static_graph_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
+                                             "kwargs": {"static_graph": True}},
+    "two_forwards_one_backward": {"two_forwards": {}},
+    "two_forwards_find_unused": {"model": "unused", "two_forwards": {"use_some": False},
+                                 "kwargs": {"find_unused_parameters": True}},
+    "discarded_forward": {"discarded_forward": True, "model": "bn"},
+    "discarded_forward_find_unused": {"discarded_forward": True, "model": "unused",
+                                      "kwargs": {"find_unused_parameters": True}},
     "join_uneven": {"uneven": True},
     "join_divide_by_active_ranks": {"uneven": True, "join": {"divide_by_initial_world_size": False}},
     "join_uneven_bn": {"uneven": True, "model": "bn", "kwargs": {"bucket_cap_mb": 0.0003}},

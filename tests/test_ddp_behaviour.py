@@ -45,6 +45,10 @@ def _misuse_worker() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     out["shape"] = _error_of(lambda: ddpkit.DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 + rank))))
     out["count"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2 + rank)))
+    partly_frozen = _mlp(4, 2)
+    partly_frozen[0].requires_grad_(rank == 0)
+    out["frozen"] = _error_of(lambda: ddpkit.DDP(partly_frozen))
+    out["frozen_here"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2).requires_grad_(rank == 0)))
 
     def unused(use_some: bool, hook=None, static=False, steps=1):
         ddp = ddpkit.DDP(_Branchy(), static_graph=static)
@@ -59,9 +63,28 @@ def _misuse_worker() -> dict[str, str | None]:
     out["static_changed"] = _error_of(lambda: unused(rank == 0, static=True, steps=2))
 
     ddp = ddpkit.DDP(_mlp())
-    def forward_twice():
-        ddp(torch.ones(2, 8))
-        ddp(torch.ones(2, 8))
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("this backward fails")
+
+    class FailsInBackward(nn.Module):
+        def forward(self, x):
+            return FailingBackward.apply(x)
+
+    failing = ddpkit.DDP(nn.Sequential(nn.Linear(8, 8), FailsInBackward(), nn.Linear(8, 8)))
+
+    def forward_after_a_failed_backward():
+        try:  # the last layer's gradient arrives, then the backward fails before the first layer's
+            failing(torch.ones(2, 8)).sum().backward()
+        except ValueError:
+            pass
+        failing(torch.ones(2, 8))
 
     def backward_twice():
         loss = ddp(torch.ones(2, 8)).sum()
@@ -78,7 +101,7 @@ def _misuse_worker() -> dict[str, str | None]:
             new.backward()
 
     out["older_graph"] = _error_of(backward_through_an_older_graph)
-    out["forward_twice"] = _error_of(forward_twice)
+    out["after_failed_backward"] = _error_of(forward_after_a_failed_backward)
     out["backward_twice"] = _error_of(backward_twice)
     ddp(torch.ones(2, 8)).sum().backward()  # still usable after those errors
     out["recovered"] = ddp.module[0].weight.grad is not None and None
@@ -102,14 +125,20 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "'1.weight' with shape [4, 4] (float32)" in out["shape"], out["shape"]
         assert "rank 0 has 4 parameters/buffers and rank 1 has 6" in out["count"]
         assert "'2.weight' with shape [4, 4]" in out["count"]
+        assert "rank 0 has '0.weight' with shape [4, 4] (float32), rank 1 has '0.weight' with shape " \
+               "[4, 4] (float32, requires_grad=False)" in out["frozen"], out["frozen"]
+        assert "doesn't have any parameter that requires a gradient" in out["frozen_here"]
+        if rank == 0:
+            assert out["frozen_here"].startswith("DistributedDataParallel could not be built on rank 1")
         for key in ("unused_here", "unused_hook"):
             assert "rank 1: 'some.weight', 'some.bias'" in out[key], out[key]
             assert "rank 0:" not in out[key] and "find_unused_parameters=True" in out[key]
             assert f"(this is rank {rank})" in out[key]
         assert "rank 0: 'some.weight', 'some.bias'; rank 1: 'some.weight'" in out["unused_everywhere"]
         assert "static_graph=True" in out["static_changed"] and "rank 1: 'some.weight'" in out["static_changed"]
-        assert "backward() reached the output of forward pass 1, but forward pass 2" in out["older_graph"]
-        assert "forward() was called again before the previous forward's gradients" in out["forward_twice"]
+        assert "backward() reached the output of forward pass 1, whose gradients were already " \
+               "averaged, but forward pass 2" in out["older_graph"]
+        assert "previous backward() had not finished" in out["after_failed_backward"]
         assert "arrived after this iteration's gradients were already averaged" in out["backward_twice"]
         assert out["recovered"] is None
         assert "exhausted" in out["early_termination"]
@@ -212,6 +241,28 @@ def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
         assert out["full_batch_diff"] < 1e-6
         assert out["hook_calls"] == [(0, False, 3), (1, True, 3)]  # 6 tensors of 288 and 32 bytes
         assert out["hook_diff"] < 1e-6
+
+
+def _powersgd_worker() -> list[torch.Tensor]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    torch.manual_seed(0)
+    ddp = ddpkit.DDP(nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 3)))
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, min_compression_rate=0.5)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    data = torch.Generator().manual_seed(ddp.rank)
+    for _ in range(6):
+        ddp(torch.randn(5, 6, generator=data)).square().mean().backward()
+    return [p.grad for p in ddp.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_torchs_powersgd_hook_issues_its_collectives_in_the_same_order_on_every_rank():
+    """PowerSGD all-reduces from its futures' callbacks: ddpkit's own collective must wait for them."""
+    first, second = run_ranks(_powersgd_worker, 2, timeout=60)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
 
 
 # ---- a world of one, and argument checks (in this process, no process group) ----------------------
