@@ -83,6 +83,8 @@ class Bucket:
         self._is_last = is_last
         # big tensors first: the small ones then share one region, scaled with a single mul_
         layout = sorted(range(len(params)), key=lambda k: params[k].numel() < BIG_PARAM_NUMEL)
+        # a comm hook sees the parameters in the order given (torch's), whatever the layout
+        self._given_order = sorted(range(len(params)), key=lambda pos: layout[pos])
         self.params = [params[k] for k in layout]
         self.param_indices = [param_indices[k] for k in layout]
         params = self.params
@@ -119,11 +121,12 @@ class Bucket:
         return self._is_last
 
     def parameters(self) -> list[torch.Tensor]:
-        return list(self.params)
+        """The bucket's parameters in gradient-ready order, as torch's GradBucket lists them."""
+        return [self.params[pos] for pos in self._given_order]
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like it."""
-        return list(self.views)
+        """Views of ``buffer()``, one per parameter, shaped like it, in ``parameters()``'s order."""
+        return [self.views[pos] for pos in self._given_order]
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
         """Replace the bucket's contents with ``tensor`` (same number of elements)."""
