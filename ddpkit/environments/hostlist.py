@@ -1,4 +1,9 @@
-"""SLURM's compact lists: hostlists (``"gpu-[01-03,07],cpu5"``) and tasks per node (``"2(x3),1"``)."""
+"""SLURM's compact lists: hostlists (``"gpu-[01-03,07],cpu5"``) and tasks per node (``"2(x3),1"``).
+
+SLURM writes both in a compressed grammar; the SLURM reader needs them one entry per node, to take
+the first host as the default MASTER_ADDR and each node's task count. The grammar stands on its own
+(``expand_hostlist`` is public and tested directly), so it lives apart from ``slurm.py``.
+"""
 from __future__ import annotations
 
 import re

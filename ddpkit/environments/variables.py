@@ -1,0 +1,54 @@
+"""Reading launcher variables: strict integers, the first of several names, rank bounds, the port.
+
+Every source reader parses the same kinds of values and must fail the same way, with the variable,
+its value and a HINT; sharing these few functions keeps the messages identical across launchers.
+All of them only read the mapping they are given.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+__all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "read_master_port"]
+
+
+def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str | None = None) -> int:
+    raw = environ[name]
+    # int() would also take '1_0', '+1' and non-ASCII digits: a launcher writes none of them
+    if re.fullmatch(r"-?[0-9]+", raw.strip()) is None:
+        raise ValueError(
+            f"{name}={raw!r} is not an integer. HINT: set {name} to plain decimal digits, or unset it."
+        )
+    value = int(raw.strip())
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}. "
+                         f"{hint or f'HINT: set {name} to a whole number >= {minimum}, or unset it.'}")
+    return value
+
+
+def read_optional_int(environ: Mapping[str, str], name: str, minimum: int = 0) -> int | None:
+    return read_int(environ, name, minimum) if environ.get(name, "").strip() else None
+
+
+def first_set(environ: Mapping[str, str], *names: str) -> str | None:
+    return next((name for name in names if environ.get(name, "").strip()), None)
+
+
+def check_rank(rank_name: str, rank: int, size_name: str, size: int, described: str | None = None,
+               hint: str | None = None) -> None:
+    """``rank`` must be in [0, size); ``described`` says where ``size`` came from when not ``size_name``."""
+    if not 0 <= rank < size:
+        hint = hint or ("HINT: the launcher and the job disagree on the number of processes; "
+                        f"check {size_name}.")
+        raise ValueError(f"{rank_name}={rank} is out of range for {described or f'{size_name}={size}'}: "
+                         f"{rank_name} must be in [0, {size}). {hint}")
+
+
+def read_master_port(environ: Mapping[str, str], default: int) -> int:
+    if "MASTER_PORT" not in environ:
+        return default
+    hint = "HINT: set MASTER_PORT to a free TCP port in [1, 65535] on the host of rank 0, e.g. 29500."
+    port = read_int(environ, "MASTER_PORT", minimum=1, hint=hint)
+    if port > 65535:
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port: it must be in [1, 65535]. {hint}")
+    return port
