@@ -52,12 +52,16 @@ class Job:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
 
-    def run_two_nodes(self, *args: str, timeout: float = 50) -> list[tuple[int, str]]:
-        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers; (code, stderr) each."""
+    def start_two_nodes(self, *args: str) -> list[subprocess.Popen]:
+        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers."""
         port = str(_free_port())
-        nodes = [self.start("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                            "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout",
-                            "30", "--grace-period", "5", *args) for rank in (0, 1)]
+        return [self.start("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout",
+                           "30", "--grace-period", "5", *args) for rank in (0, 1)]
+
+    def run_two_nodes(self, *args: str, timeout: float = 50) -> list[tuple[int, str]]:
+        """``start_two_nodes`` and wait for both; (exit code, stderr) of each."""
+        nodes = self.start_two_nodes(*args)
         errors = [node.communicate(timeout=timeout)[1] for node in nodes]
         return [(node.returncode, err) for node, err in zip(nodes, errors)]
 
@@ -76,6 +80,9 @@ class Job:
                 raise AssertionError(f"a launcher exited early: {[p.communicate() for p in self.launchers]}")
             assert time.monotonic() < deadline, f"{count} workers did not start within {timeout} s"
             time.sleep(0.05)
+
+    def worker_pid(self, rank: int, attempt: int = 0) -> int:
+        return json.loads((self.out / f"pids_{rank}_{attempt}.json").read_text())["pid"]
 
     def results(self) -> dict[int, dict]:
         return {int(Path(p).stem.split("_")[1]): json.loads(Path(p).read_text())
@@ -250,6 +257,28 @@ def test_restart_after_a_failure_on_one_node_restarts_every_node(job, tmp_path):
     assert "rank 3 on node 1" in err0 and "RuntimeError: first attempt fails" in err1
     assert {r: v["restart_count"] for r, v in job.results().items()} == {r: "1" for r in range(4)}
     assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_a_node_whose_launcher_vanishes_ends_the_job_on_the_others_naming_it(job, tmp_path):
+    node0, node1 = job.start_two_nodes("--node-timeout", "1.5", WORKER, str(tmp_path),
+                                       "block-on-node", "1")
+    job.wait_for_files("pids_*.json", 4)
+    node0_workers = []
+    for rank in (0, 1):
+        try:
+            node0_workers.append(psutil.Process(job.worker_pid(rank)))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(node0_workers, timeout=20)  # node 0's ranks succeed at once
+    assert not alive
+    node1.kill()  # no handler runs: node 0 only learns of it from the missing heartbeat
+    _, err0 = node0.communicate(timeout=20)
+    assert node0.returncode == 1, err0
+    assert "node 1 (host" in err0 and "vanished: its launcher sent no heartbeat for 1.5 s" in err0
+    pids = job.pids()
+    assert len(pids) == 6  # four workers and node 1's grandchildren
+    assert_all_gone(pids)
 
 
 # ------------------------------------------------------------------------------------------ signals

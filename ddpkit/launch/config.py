@@ -21,6 +21,7 @@ __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_GRACE_PERIOD = 30.0  # torchrun's --shutdown-timeout default
 DEFAULT_RDZV_TIMEOUT = 900.0  # torchrun's static rendezvous waits 15 minutes too
+DEFAULT_NODE_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LaunchConfig:
     max_restarts: int = 0
     log_dir: str | None = None
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    node_timeout: float = DEFAULT_NODE_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
     monitor_interval: float = 0.05
     run_id: str = "none"
@@ -99,6 +101,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float, metavar="SECONDS",
                    default=pet("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
                    help="seconds the nodes wait for each other (ddpkit's flag). Default 900.")
+    p.add_argument(*_spellings("node-timeout"), dest="node_timeout", type=float, metavar="SECONDS",
+                   default=pet("node_timeout", DEFAULT_NODE_TIMEOUT),
+                   help="a node whose launcher sends no heartbeat for this long counts as lost and "
+                   f"the job stops (ddpkit's flag). Default {DEFAULT_NODE_TIMEOUT:g}.")
     p.add_argument(*_spellings("shutdown-timeout"), "--grace-period", dest="grace_period",
                    type=float, metavar="SECONDS", default=pet("shutdown_timeout", DEFAULT_GRACE_PERIOD),
                    help="seconds between SIGTERM and SIGKILL when stopping workers. Default 30.")
@@ -176,7 +182,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     for name in ("max_restarts",):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
-    for name in ("rdzv_timeout", "grace_period", "monitor_interval"):
+    for name in ("rdzv_timeout", "node_timeout", "grace_period", "monitor_interval"):
         if float(getattr(args, name)) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}.")
     if args.rdzv_endpoint:
@@ -200,8 +206,9 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         command=_worker_command(args), nproc_per_node=resolve_nproc_per_node(args.nproc_per_node),
         nnodes=nnodes, node_rank=int(args.node_rank), master_addr=master_addr, master_port=master_port,
         max_restarts=int(args.max_restarts), log_dir=args.log_dir,
-        rdzv_timeout=float(args.rdzv_timeout), grace_period=float(args.grace_period),
-        monitor_interval=float(args.monitor_interval), run_id=run_id, role=str(args.role))
+        rdzv_timeout=float(args.rdzv_timeout), node_timeout=float(args.node_timeout),
+        grace_period=float(args.grace_period), monitor_interval=float(args.monitor_interval),
+        run_id=run_id, role=str(args.role))
 
 
 def _parse_nnodes(text: str) -> int:

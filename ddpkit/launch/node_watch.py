@@ -1,8 +1,13 @@
-"""Watching the other nodes from one node: is node 0 reachable, and has any node reported a failure?
+"""Watching the other nodes from one node: is every node still there, and has one reported a failure?
 
-Both use a plain socket where they can, because a TCPStore call that meets a closed connection logs a
-C++ stack trace (and TORCH_CPP_LOG_LEVEL cannot be changed once torch is imported): the launcher's
-own one-line messages say what happened instead.
+A node launcher that is SIGKILLed (or whose host dies) says nothing, so every launcher beats a
+heartbeat on node 0's store (``alive/<node rank>``, a counter) and watches the others' counters: a node
+whose counter stands still for ``--node-timeout`` seconds is lost. Counters, not timestamps, so the
+hosts' clocks need not agree. Node 0's own death is seen sooner, as end-of-file on an idle socket to
+its store.
+
+Plain sockets are used where they can be, because a TCPStore call that meets a closed connection logs
+a C++ stack trace: the launcher's own one-line messages say what happened instead.
 """
 from __future__ import annotations
 
@@ -16,7 +21,13 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["FailureWatch", "wait_reachable"]
+__all__ = ["NodeWatch", "wait_reachable", "heartbeat_key"]
+
+_TICK = 0.1
+
+
+def heartbeat_key(node_rank: int) -> str:
+    return f"alive/{node_rank}"
 
 
 def _dial(host: str, port: int) -> socket.socket | None:
@@ -36,47 +47,91 @@ def wait_reachable(host: str, port: int, deadline: float, abort: Callable[[], bo
         time.sleep(0.1)
 
 
-class FailureWatch:
-    """A thread polling the failure key on its own connection, so the supervisor's loop never blocks.
+class NodeWatch:
+    """A thread on its own connection to node 0's store, for as long as this node is in the job.
 
-    ``info`` becomes the failure report as published, or ``{"node": None, "lost": ...}`` when node 0
-    stops answering. Node 0's death is seen as end-of-file on an idle socket to its store, checked
-    before every store call; an end-of-file is confirmed by dialling again, in case the server merely
-    dropped an idle connection.
+    ``lost`` becomes ``{"node": R, "lost": why}`` when node R stops answering (node 0: its store
+    closed; another node: its heartbeat stood still for ``node_timeout`` s). ``failure`` becomes the
+    failure report published under the key given to ``follow`` (the current attempt's).
     """
 
-    def __init__(self, host: str, port: int, key: str):
-        self.info: dict | None = None
+    def __init__(self, host: str, port: int, node_rank: int, nnodes: int, node_timeout: float):
+        self.lost: dict | None = None
+        self.failure: dict | None = None
         self._address = (host, port)
+        self._node_rank, self._nnodes, self._timeout = node_rank, nnodes, node_timeout
+        self._beat_every = min(1.0, node_timeout / 4)
+        self._key: str | None = None
+        self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
-        self._thread = threading.Thread(target=self._run, args=(key,), name="ddpkit-failure-watch",
-                                        daemon=True)
+        self._store.add(heartbeat_key(node_rank), 1)  # alive from now on, before the thread runs
+        self._thread = threading.Thread(target=self._run, name="ddpkit-node-watch", daemon=True)
         self._thread.start()
 
-    def _run(self, key: str) -> None:
+    def follow(self, key: str | None) -> None:
+        """Watch ``key`` for a failure report from now on (None: none); forgets the previous one."""
+        with self._lock:
+            self._key, self.failure = key, None
+
+    def _run(self) -> None:
         probe = _dial(*self._address)
+        seen: dict[int, tuple[int, float]] = {}  # node rank -> (last counter, when it last moved)
+        next_beat = 0.0
         try:
-            while not self._stopped.wait(0.1):
+            while not self._stopped.wait(_TICK):
                 if probe is None or select.select([probe], [], [], 0)[0]:
+                    # readable means end-of-file: confirm by dialling again, in case the server
+                    # merely dropped an idle connection
                     if probe is not None:
                         probe.close()
                     probe = _dial(*self._address)
                     if probe is None:
-                        self._lost("node 0's rendezvous store closed")
+                        self._lose(0, "node 0's rendezvous store closed (node 0's launcher exited "
+                                   "or is unreachable)")
                         return
-                if self._store.check([key]):
-                    self.info = json.loads(self._store.get(key))
-                    return
+                self._check_failure()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self._beat_every
+                    self._store.add(heartbeat_key(self._node_rank), 1)
+                    self._check_heartbeats(seen, now)
         except (RuntimeError, OSError) as e:
-            self._lost(f"lost the connection to node 0's rendezvous ({e})")
+            self._lose(0, f"lost the connection to node 0's rendezvous store ({e}; node 0's "
+                       "launcher exited or is unreachable)")
         finally:
             if probe is not None:
                 probe.close()
 
-    def _lost(self, why: str) -> None:
-        if not self._stopped.is_set():
-            self.info = {"node": None, "lost": why}
+    def _check_failure(self) -> None:
+        with self._lock:
+            key = self._key
+        if key is None or self.failure is not None or not self._store.check([key]):
+            return
+        info = json.loads(self._store.get(key))
+        with self._lock:
+            if self._key == key:
+                self.failure = info
+
+    def _check_heartbeats(self, seen: dict[int, tuple[int, float]], now: float) -> None:
+        for rank in range(self._nnodes):
+            if rank == self._node_rank:
+                continue
+            count = self._store.add(heartbeat_key(rank), 0)
+            if count == 0:
+                continue  # not registered yet: the rendezvous timeout covers a node that never comes
+            last = seen.get(rank)
+            if last is None or last[0] != count:
+                seen[rank] = (count, now)
+            elif now - last[1] > self._timeout and self.lost is None:
+                host = json.loads(self._store.get(f"node/{rank}")).get("host", "?")
+                self._lose(rank, f"node {rank} (host {host}) vanished: its launcher sent no heartbeat "
+                           f"for {self._timeout:g} s (it was killed, or its host is down or "
+                           "unreachable)")
+
+    def _lose(self, rank: int, why: str) -> None:
+        if not self._stopped.is_set() and self.lost is None:
+            self.lost = {"node": rank, "lost": why}
 
     def stop(self) -> None:
         self._stopped.set()

@@ -75,7 +75,7 @@ def remote_summary(info: dict, workers: list[Worker]) -> str:
     """The lines printed on a node whose workers were stopped because of another node."""
     stopped = ", ".join(f"rank {w.rank}" for w in workers if w.state == "stopped") or "none running"
     if "lost" in info:
-        cause = info["lost"] + " (node 0's launcher exited or is unreachable)"
+        cause = info["lost"]
     elif "signal" in info:
         cause = f"the launcher of node {info['node']} received {info['signal']}"
     else:

@@ -16,7 +16,8 @@ import psutil
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import log_path, say
-from ddpkit.launch.rendezvous import Layout, make_rendezvous
+from ddpkit.launch.node_rendezvous import NodeRendezvous
+from ddpkit.launch.rendezvous import Layout, LocalRendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import Watchdog
@@ -35,6 +36,12 @@ class Outcome:
     failed: Worker | None = None
     remote: dict | None = None
 
+    @property
+    def final(self) -> bool:
+        """No restart helps: the job succeeded, was stopped, or lost a node (a static rendezvous
+        cannot take it back)."""
+        return self.kind in ("succeeded", "signal") or (self.remote is not None and "lost" in self.remote)
+
 
 def _say(message: str) -> None:
     say(f"ddpkit run: {message}")
@@ -46,7 +53,7 @@ class Supervisor:
     def __init__(self, config: LaunchConfig, environ: dict[str, str] | None = None):
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
-        self.rendezvous = make_rendezvous(config)
+        self.rendezvous = NodeRendezvous(config) if config.multi_node else LocalRendezvous(config)
         self.stop_signal: signal.Signals | None = None
         self._inbox: SignalInbox | None = None
         self._workers: list[Worker] = []
@@ -62,7 +69,7 @@ class Supervisor:
                 layout = self.rendezvous.join(self._aborted)
                 for attempt in range(self.config.max_restarts + 1):
                     outcome = self.run_attempt(attempt, layout)
-                    if outcome.kind in ("succeeded", "signal") or attempt == self.config.max_restarts:
+                    if outcome.final or attempt == self.config.max_restarts:
                         return outcome.code
                     _say(f"restarting all workers: restart {attempt + 1} of at most "
                          f"{self.config.max_restarts} (TORCHELASTIC_RESTART_COUNT={attempt + 1})")
@@ -90,6 +97,8 @@ class Supervisor:
             elif outcome.kind == "signal":
                 self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
                                                          "signal": self.stop_signal.name})
+            elif outcome.kind == "remote" and "lost" in outcome.remote:
+                self.rendezvous.report_failure(attempt, outcome.remote)  # the others stop now too
         finally:
             self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
         if outcome.kind == "failed":

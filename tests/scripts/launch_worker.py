@@ -12,6 +12,7 @@ knows every process of the job. Modes:
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
+- ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
 """
@@ -56,6 +57,8 @@ def main() -> None:
     target = int(args[0]) if args and mode != "allreduce" else None
     if mode == "block":  # before the pid file: the test sends SIGUSR1 as soon as it sees that
         signal.signal(signal.SIGUSR1, lambda *_: _write(os.path.join(out, f"usr1_{rank}"), {}))
+    if mode == "block-on-node":
+        mode = "block" if os.environ["GROUP_RANK"] == args[0] else "succeed"
     child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
     _record(out, rank, attempt, child)
     print(f"rank {rank} started", flush=True)
@@ -84,7 +87,7 @@ def main() -> None:
         if attempt == "0":
             _block()
         _write(os.path.join(out, f"result_{rank}.json"), {"restart_count": attempt})
-    else:
+    elif mode != "succeed":
         _block()
 
 

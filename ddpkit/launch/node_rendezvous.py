@@ -1,0 +1,266 @@
+"""Several nodes meeting: a static rendezvous on a TCPStore that node 0's launcher hosts.
+
+Node 0 hosts the rendezvous store at --master-addr:--master-port; every node launcher (node 0's too)
+connects to it, checks it agrees with node 0 on --nnodes, registers, and waits for all the others.
+Each attempt starts when every node has arrived at it; node 0 then opens the attempt's worker store
+and publishes its port. A node whose workers fail publishes the failure, and every node stops its
+own. A node that gives up (a missing node, a vanished one, a disagreement) leaves the reason under
+``abort``, so every node prints the same message, and node 0 keeps its store open until the others
+have read it. ``NodeWatch`` beats this node's heartbeat and notices a vanished node.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+
+from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.node_watch import NodeWatch, wait_reachable
+from ddpkit.launch.rendezvous import Layout, host_store
+
+__all__ = ["NodeRendezvous"]
+
+_POLL = 0.05
+_VERBS = {"joined": "join", "arrived": "arrive"}
+_ACK_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the rendezvous ended
+
+
+class NodeRendezvous:
+    """Several nodes meeting on node 0's TCPStore; the module docstring tells the protocol."""
+
+    def __init__(self, config: LaunchConfig):
+        self._config = config
+        self._address = f"{config.master_addr}:{config.master_port}"
+        self._server: dist.TCPStore | None = None  # node 0 only
+        self._store: dist.TCPStore | None = None
+        self._worker_store: dist.TCPStore | None = None
+        self._watch: NodeWatch | None = None
+        self._registered = False
+
+    # ---------------------------------------------------------------------------------------- join
+    def join(self, abort: Callable[[], bool]) -> Layout:
+        """Register this node and wait for all ``nnodes``; returns the agreed layout."""
+        cfg = self._config
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        if cfg.node_rank == 0:
+            try:
+                self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
+                                             wait_for_workers=False)
+            except (RuntimeError, OSError) as e:
+                raise RuntimeError(f"node 0 cannot host the rendezvous on port {cfg.master_port}: "
+                                   f"{e}. HINT: is another job using it? Pick another --master-port.") from e
+        self._store = self._connect(deadline, abort)
+        store = self._store
+        with self._node0_alive("join"):
+            self._check_nnodes(deadline, abort)
+            me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
+            if store.add(f"node/{cfg.node_rank}/claims", 1) > 1:
+                other = json.loads(store.get(f"node/{cfg.node_rank}"))
+                raise RuntimeError(f"node rank {cfg.node_rank} already joined from {other['host']} "
+                                   f"(pid {other['pid']}). HINT: give every node a different --node-rank.")
+            store.set(f"node/{cfg.node_rank}", json.dumps(me))
+            self._registered = True
+            self._watch = NodeWatch(cfg.master_addr, cfg.master_port, cfg.node_rank, cfg.nnodes,
+                                    cfg.node_timeout)
+            store.add("joined", 1)
+            self._wait_all("joined", "node/{}", deadline, abort, "join", "joined")
+            nprocs = [json.loads(store.get(f"node/{r}"))["nproc"] for r in range(cfg.nnodes)]
+        return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes)
+
+    def _connect(self, deadline: float, abort: Callable[[], bool]) -> dist.TCPStore:
+        cfg = self._config
+        error: Exception | None = None
+        # a plain socket first: TCPStore's own retries log a C++ stack trace per attempt
+        wait_reachable(cfg.master_addr, cfg.master_port, deadline, abort)
+        while not abort():
+            wait = max(1.0, min(5.0, deadline - time.monotonic()))
+            try:
+                return dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False,
+                                     timeout=timedelta(seconds=wait))
+            except (RuntimeError, OSError) as e:
+                error = e
+            if time.monotonic() >= deadline:
+                break
+        if abort():
+            raise RuntimeError(f"interrupted while waiting to reach node 0's rendezvous at {self._address}")
+        raise RuntimeError(f"node {cfg.node_rank} could not reach node 0's rendezvous at "
+                           f"{self._address} within {cfg.rdzv_timeout:g} s ({error}). HINT: start "
+                           "node 0 with the same --master-addr/--master-port, and check the address "
+                           "is reachable from this host.")
+
+    def _check_nnodes(self, deadline: float, abort: Callable[[], bool]) -> None:
+        """Node 0 publishes its --nnodes; every other node compares as soon as it is connected."""
+        cfg, store = self._config, self._store
+        assert store is not None
+        if cfg.node_rank == 0:
+            store.set("nnodes", str(cfg.nnodes))
+            return
+        while not store.check(["nnodes"]):  # node 0 sets it right after opening the store
+            self._check_abandoned(abort, deadline, "join", "joined")
+            time.sleep(_POLL)
+        theirs = int(store.get("nnodes"))
+        if theirs != cfg.nnodes:
+            self._abandon(f"the nodes disagree on --nnodes: node 0 was started with --nnodes {theirs}, "
+                          f"node {cfg.node_rank} with --nnodes {cfg.nnodes}. HINT: give every node the "
+                          "same --nnodes.")
+
+    def _wait_all(self, counter: str, marker: str, deadline: float, abort: Callable[[], bool],
+                  what: str, verb: str) -> None:
+        """Wait until ``counter`` reaches nnodes; ``marker`` names each node's own key, for messages."""
+        cfg, store = self._config, self._store
+        assert store is not None
+        while store.add(counter, 0) < cfg.nnodes:
+            self._check_abandoned(abort, deadline, what, verb, marker)
+            time.sleep(_POLL)
+
+    def _check_abandoned(self, abort: Callable[[], bool], deadline: float, what: str, verb: str,
+                         marker: str = "node/{}") -> None:
+        """Raise if another node gave up, a node vanished, we were interrupted or the time is up."""
+        store = self._store
+        assert store is not None
+        if store.check(["abort"]):
+            self._acknowledge()
+            raise RuntimeError(store.get("abort").decode())
+        if abort():
+            raise RuntimeError("interrupted while waiting for the other nodes")
+        lost = self._watch.lost if self._watch is not None else None
+        if lost is not None:
+            self._abandon(f"stopped waiting for the nodes to {what}: {lost['lost']}")
+        if time.monotonic() >= deadline:
+            self._abandon(self._missing_message(what, verb, marker))
+
+    def _abandon(self, message: str) -> None:
+        """Tell every node why the rendezvous ends (they print the same message), then raise it."""
+        assert self._store is not None
+        self._store.set("abort", message)
+        self._acknowledge()
+        raise RuntimeError(message)
+
+    def _acknowledge(self) -> None:
+        # node 0 keeps its store open until every registered node has read the abort
+        if self._registered and self._config.node_rank != 0:
+            self._store.add("abort/acks", 1)  # type: ignore[union-attr]
+
+    def _missing_message(self, what: str, verb: str, marker: str) -> str:
+        cfg, store = self._config, self._store
+        assert store is not None
+        present = [r for r in range(cfg.nnodes) if store.check([marker.format(r)])]
+        missing = [r for r in range(cfg.nnodes) if r not in present]
+        return (f"rendezvous at {self._address} timed out after {cfg.rdzv_timeout:g} s waiting for "
+                f"the nodes to {what}: {len(present)} of {cfg.nnodes} nodes {verb} (node ranks "
+                f"{_ranks(present)}); did not {_VERBS[verb]}: node rank(s) {_ranks(missing)}. HINT: start "
+                "'ddpkit run --nnodes {0} --node-rank R --master-addr {1} --master-port {2} ...' on "
+                "each missing node, or raise --rdzv-timeout.".format(
+                    cfg.nnodes, cfg.master_addr, cfg.master_port))
+
+    @contextmanager
+    def _node0_alive(self, what: str) -> Iterator[None]:
+        """Turn a lost connection to node 0's store into the one line that explains it."""
+        try:
+            yield
+        except dist.DistNetworkError as e:
+            raise RuntimeError(
+                f"lost node 0's rendezvous at {self._address} while waiting for the nodes to "
+                f"{what}: node 0's launcher exited (it ends the job when a node does not come within "
+                "--rdzv-timeout, and when it is stopped); its output says why.") from e
+
+    # ------------------------------------------------------------------------------------ attempts
+    def begin_attempt(self, attempt: int, abort: Callable[[], bool]) -> tuple[str, int]:
+        """Wait for every node to reach this attempt; returns the worker store's address and port."""
+        cfg, store, watch = self._config, self._store, self._watch
+        assert store is not None and watch is not None
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        watch.follow(None)
+        what, port_key = f"start attempt {attempt}", f"attempt/{attempt}/port"
+        with self._node0_alive(what):
+            store.set(f"attempt/{attempt}/arrived/{cfg.node_rank}", "1")
+            store.add(f"attempt/{attempt}/arrived", 1)
+            self._wait_all(f"attempt/{attempt}/arrived", f"attempt/{attempt}/arrived/{{}}", deadline,
+                           abort, what, "arrived")
+            if cfg.node_rank == 0:
+                self._worker_store = None
+                self._worker_store = host_store(None, 0)  # reachable from the other nodes
+                store.set(port_key, str(self._worker_store.port))
+            while not store.check([port_key]):
+                self._check_abandoned(abort, deadline, what, "arrived")
+                time.sleep(_POLL)
+            port = int(store.get(port_key))
+        watch.follow(f"attempt/{attempt}/failed")
+        return cfg.master_addr, port
+
+    def report_failure(self, attempt: int, info: dict) -> None:
+        """Tell every node to stop; only the first failure of an attempt is published."""
+        assert self._store is not None
+        try:
+            if self._store.add(f"attempt/{attempt}/failures", 1) == 1:
+                info = {**info, "from": self._config.node_rank}
+                self._store.set(f"attempt/{attempt}/failed", json.dumps(info))
+        except (RuntimeError, OSError):
+            pass  # node 0 is gone: the other nodes lose the store and stop anyway
+
+    def remote_failure(self) -> dict | None:
+        """What another node reported during this attempt, or the loss of a node, if anything."""
+        watch = self._watch
+        if watch is None:
+            return None
+        if watch.lost is not None:
+            return watch.lost
+        info = watch.failure
+        if info is not None and info.get("from") == self._config.node_rank:
+            return None  # our own report, already handled
+        return info
+
+    def finish_attempt(self, attempt: int, abort: Callable[[], bool]) -> dict | None:
+        """After local success: wait until every node finished, or return another node's failure."""
+        cfg, store = self._config, self._store
+        assert store is not None
+        with self._node0_alive(f"finish attempt {attempt}"):
+            store.add(f"attempt/{attempt}/finished", 1)
+            while store.add(f"attempt/{attempt}/finished", 0) < cfg.nnodes:
+                remote = self.remote_failure()
+                if remote is not None or abort():
+                    return remote
+                time.sleep(_POLL)
+            if cfg.node_rank != 0:
+                store.add("exited", 1)
+                return None
+            # keep the store up until every node has read the outcome
+            deadline = time.monotonic() + 30
+            while store.add("exited", 0) < cfg.nnodes - 1 and time.monotonic() < deadline:
+                if self.remote_failure() is not None:
+                    break  # a node that vanished now has its outcome already: all finished
+                time.sleep(_POLL)
+        return None
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        if self._server is not None and self._store is not None:
+            self._wait_for_acknowledgements()
+        self._store = self._worker_store = self._server = None
+
+    def _wait_for_acknowledgements(self) -> None:
+        """Node 0, after an abandoned rendezvous: give every registered node a moment to read why."""
+        store = self._store
+        assert store is not None
+        deadline = time.monotonic() + _ACK_WAIT
+        try:
+            if not store.check(["abort"]):
+                return
+            while store.add("abort/acks", 0) < store.add("joined", 0) - 1:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(_POLL)
+        except (RuntimeError, OSError):
+            pass
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) or "none"
