@@ -227,15 +227,43 @@ def test_restart_increments_the_restart_count(job, tmp_path):
     assert_all_gone(job.pids())
 
 
+def _node(rank: int, port: int, *args: str) -> tuple[str, ...]:
+    return ("--nnodes", "3", "--node-rank", str(rank), "--master-port", str(port), *args)
+
+
 @pytest.mark.timeout(60)
-def test_missing_node_times_out_naming_it(job, tmp_path):
+def test_missing_node_times_out_naming_it_on_every_node_that_joined(job, tmp_path):
     start = time.monotonic()
-    code, _, err = job.run("--nnodes", "2", "--node-rank", "0", "--master-port", str(_free_port()),
-                           "--rdzv-timeout", "2", WORKER, str(tmp_path), "block")
+    port = _free_port()
+    nodes = [job.start(*_node(rank, port, "--rdzv-timeout", "3"), WORKER, str(tmp_path), "block")
+             for rank in (0, 1)]
+    errors = [node.communicate(timeout=30)[1] for node in nodes]
     assert time.monotonic() - start < 30
-    assert code == 1
-    assert "1 of 2 nodes joined (node ranks 0); did not join: node rank(s) 1" in err
+    assert [node.returncode for node in nodes] == [1, 1], errors
+    for err in errors:  # node 1 too: it reads node 0's verdict before node 0 closes the store
+        assert "2 of 3 nodes joined (node ranks 0, 1); did not join: node rank(s) 2" in err, err
     assert not job.pids()  # no worker was started
+
+
+@pytest.mark.timeout(60)
+def test_nodes_that_disagree_on_nnodes_stop_as_soon_as_they_meet(job, tmp_path):
+    port = _free_port()
+    nodes = [job.start("--nnodes", nnodes, "--node-rank", rank, "--master-port", str(port),
+                       WORKER, str(tmp_path), "block") for nnodes, rank in (("2", "0"), ("3", "1"))]
+    errors = [node.communicate(timeout=30)[1] for node in nodes]  # --rdzv-timeout is 900 s
+    assert [node.returncode for node in nodes] == [1, 1], errors
+    for err in errors:
+        assert "node 0 was started with --nnodes 2, node 1 with --nnodes 3" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_waiting_for_node_0_says_it_was_interrupted(job, tmp_path):
+    node1 = job.start(*_node(1, _free_port()), WORKER, str(tmp_path), "block")
+    assert "is waiting for node 0's rendezvous" in node1.stderr.readline()
+    node1.send_signal(signal.SIGINT)
+    _, err = node1.communicate(timeout=30)
+    assert node1.returncode == 128 + signal.SIGINT, err
+    assert "error: interrupted while waiting to reach node 0's rendezvous" in err
 
 
 @pytest.mark.timeout(60)
@@ -278,6 +306,20 @@ def test_a_node_whose_launcher_vanishes_ends_the_job_on_the_others_naming_it(job
     assert "node 1 (host" in err0 and "vanished: its launcher sent no heartbeat for 1.5 s" in err0
     pids = job.pids()
     assert len(pids) == 6  # four workers and node 1's grandchildren
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_node_0_vanishing_stops_node_1_with_one_line_and_no_cpp_trace(job, tmp_path):
+    node0, node1 = job.start_two_nodes(WORKER, str(tmp_path), "block")
+    job.wait_for_files("pids_*.json", 4)
+    node0.kill()
+    _, err1 = node1.communicate(timeout=30)
+    assert node1.returncode == 1, err1
+    assert "node 0's rendezvous store closed (node 0's launcher exited or is unreachable)" in err1
+    assert "frame #" not in err1 and "TCPStore.cpp" not in err1  # c10d's C++ log stays quiet
+    pids = job.pids()
+    assert len(pids) == 8
     assert_all_gone(pids)
 
 

@@ -3,9 +3,9 @@
 One job per module: ``config`` (flags -> LaunchConfig), ``rendezvous`` (the store workers meet on),
 ``node_rendezvous`` and ``node_watch`` (node launchers meeting, heartbeats, failures), ``workers``
 (environment, start, signal and kill worker trees), ``logs`` (rank-prefixed lines, per-rank files,
-stderr tails), ``signals`` (death signal, subreaper, signal
-inbox), ``watchdog`` (cleanup after a SIGKILLed launcher), ``summary`` (what is printed when a job
-fails), ``supervisor`` (watch, stop, restart) and ``cli`` (the entry point).
+stderr tails), ``signals`` (death signal, subreaper, signal inbox), ``watchdog`` (cleanup after a
+SIGKILLed launcher), ``summary`` (what is printed when a job fails), ``supervisor`` (watch, stop,
+restart) and ``cli`` (the entry point).
 """
 from __future__ import annotations
 

@@ -21,13 +21,33 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ddpkit run: error: {e}", file=sys.stderr)
         return 2
-    # keep c10d's C++ connection-retry chatter out of the launcher's own output; workers get the
-    # user's environment unchanged
-    environ = dict(os.environ)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    environ = dict(os.environ)  # the workers get the user's environment unchanged
+    if "TORCH_CPP_LOG_LEVEL" not in environ:
+        _quiet_torch_cpp_logs()
 
     from ddpkit.launch.signals import become_subreaper
     from ddpkit.launch.supervisor import run
 
     become_subreaper()
     return run(config, environ)
+
+
+def _quiet_torch_cpp_logs() -> None:
+    """Keep c10d's C++ warnings (with their stack traces) out of the launcher's own output.
+
+    A lost connection to another node's store is reported by the launcher in one line; c10d would
+    also log it with a C++ stack trace. TORCH_CPP_LOG_LEVEL is read only when torch is loaded, which
+    importing ``ddpkit`` already did, and torch has no Python API for the level, so this sets the
+    flag the variable sets (c10's ``FLAGS_caffe2_log_level``, 3 = FATAL) in this process only.
+    """
+    import ctypes
+    import glob
+
+    import torch
+
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*")):
+        try:
+            ctypes.c_int.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level").value = 3
+            return
+        except (OSError, ValueError):
+            continue  # another build of torch: its C++ warnings stay visible, nothing worse

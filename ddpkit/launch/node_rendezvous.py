@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import torch.distributed as dist
 
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.launch.logs import say
 from ddpkit.launch.node_watch import NodeWatch, wait_reachable
 from ddpkit.launch.rendezvous import Layout, host_store
 
@@ -77,7 +78,9 @@ class NodeRendezvous:
         cfg = self._config
         error: Exception | None = None
         # a plain socket first: TCPStore's own retries log a C++ stack trace per attempt
-        wait_reachable(cfg.master_addr, cfg.master_port, deadline, abort)
+        wait_reachable(cfg.master_addr, cfg.master_port, deadline, abort, lambda: say(
+            f"ddpkit run: node {cfg.node_rank} is waiting for node 0's rendezvous at {self._address} "
+            f"(at most {cfg.rdzv_timeout:g} s)"))
         while not abort():
             wait = max(1.0, min(5.0, deadline - time.monotonic()))
             try:

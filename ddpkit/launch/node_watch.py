@@ -37,13 +37,20 @@ def _dial(host: str, port: int) -> socket.socket | None:
         return None
 
 
-def wait_reachable(host: str, port: int, deadline: float, abort: Callable[[], bool]) -> None:
-    """Return once ``host:port`` accepts a TCP connection, or at the deadline / on abort."""
+def wait_reachable(host: str, port: int, deadline: float, abort: Callable[[], bool],
+                   waiting: Callable[[], None] | None = None) -> None:
+    """Return once ``host:port`` accepts a TCP connection, or at the deadline / on abort.
+
+    ``waiting`` is called once, if the first try fails.
+    """
     while not abort() and time.monotonic() < deadline:
         sock = _dial(host, port)
         if sock is not None:
             sock.close()
             return
+        if waiting is not None:
+            waiting()
+            waiting = None
         time.sleep(0.1)
 
 
