@@ -41,8 +41,9 @@ class Job:
         self.out = out
         self.launchers: list[subprocess.Popen] = []
 
-    def start(self, *args: str, command: tuple[str, ...] = ("-m", "ddpkit", "run")) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, *command, *args], stdout=subprocess.PIPE,
+    def start(self, *args: str, command: tuple[str, ...] = ("-m", "ddpkit", "run"),
+              stdin: int | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, *command, *args], stdin=stdin, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=_clean_env(), cwd=REPO)
         self.launchers.append(proc)
         return proc
@@ -168,6 +169,14 @@ def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
     assert [results[r]["env"]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
     assert {results[r]["env"]["WORLD_SIZE"] for r in range(4)} == {"4"}
     assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_workers_read_the_launchers_stdin_as_under_torchrun(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "1", WORKER, str(tmp_path), "stdin", stdin=subprocess.PIPE)
+    _, err = launcher.communicate("typed at the terminal\n", timeout=30)
+    assert launcher.returncode == 0, err
+    assert job.results() == {0: {"stdin": "typed at the terminal"}}
 
 
 @pytest.mark.timeout(60)

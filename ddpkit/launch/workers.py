@@ -90,9 +90,10 @@ def spawn_worker(command: tuple[str, ...], env: dict[str, str], place: Placement
                  log_file: str | None) -> Worker:
     """Start one worker with piped output (call from the main thread: see ``death_signal_preexec``)."""
     try:
+        # stdin is inherited, as in torchrun: breakpoint() and input() work in a worker
         process = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=death_signal_preexec(),
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=death_signal_preexec(),
         )
     except OSError as e:
         raise RuntimeError(f"could not start rank {place.rank}: {' '.join(command)}: {e}") from e

@@ -12,6 +12,7 @@ knows every process of the job. Modes:
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
+- ``stdin``: read a line with input() and write it to ``OUT_DIR/result_<rank>.json``.
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
@@ -76,6 +77,8 @@ def main() -> None:
         _write(os.path.join(out, f"result_{rank}.json"), result)
         print(f"sum {total.item()}", flush=True)
         ddpkit.shutdown()
+    elif mode == "stdin":
+        _write(os.path.join(out, f"result_{rank}.json"), {"stdin": input()})
     elif mode == "fail" and rank == target:
         print("about to fail", file=sys.stderr, flush=True)
         raise ValueError(f"boom on rank {rank}")
