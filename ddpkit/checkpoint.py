@@ -113,6 +113,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TMP_MARK}", dir=directory)
     try:
+        _permissions_of_a_new_file(fd)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -125,6 +126,14 @@ def _atomic_save(obj: Any, path: Path) -> None:
             pass
         raise
     _fsync_directory(directory)
+
+
+def _permissions_of_a_new_file(fd: int) -> None:
+    """mkstemp makes the file private (0600); a checkpoint gets what torch.save's open() gives."""
+    if hasattr(os, "fchmod"):
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
 
 
 def _fsync_directory(directory: Path) -> None:

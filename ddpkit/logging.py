@@ -75,6 +75,7 @@ class Progress(Generic[T]):
         self.desc = desc
         self.file = file if file is not None else sys.stderr
         self.interval = interval
+        self._width = 0  # of the line on screen
         if disable is None:
             disable = get_rank() != 0 or not _isatty(self.file)
         self.disable = disable
@@ -109,8 +110,10 @@ class Progress(Generic[T]):
             line = f"{count}/{self.total} {100 * count // self.total:3d}% {rate}"
         else:
             line = f"{count} {rate}"
-        prefix = f"{self.desc}: " if self.desc else ""
-        self.file.write(f"\r{prefix}{line}")
+        text = f"{self.desc}: {line}" if self.desc else line
+        # pad over what the previous, longer line left on screen ("9.9 it/ss")
+        self.file.write(f"\r{text}{' ' * (self._width - len(text))}")
+        self._width = len(text)
         self.file.flush()
 
 

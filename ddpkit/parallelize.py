@@ -14,7 +14,8 @@ A single process that ``ddpkit.init(backend="gloo")`` placed on the CPU stays on
 Options are DistributedDataParallel's and DataParallel's keyword arguments, plus ``devices``. An
 option that the chosen wrapper does not take but the other one does is ignored, so one script runs
 everywhere: ``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``, ... do nothing in a
-single process, and ``devices`` does nothing under a launcher (each process has its one device). An
+single process, and ``devices`` and ``output_device`` do nothing under a launcher (each process has
+its one device, which is also where its output stays). An
 option neither takes is a TypeError, on every path, so a typo fails in the quick single-process run.
 """
 from __future__ import annotations
@@ -95,7 +96,9 @@ def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
         device = torch.device("cpu")
     module = module.to(device)
     device_ids = [device.index] if device.type == "cuda" else None
-    kwargs = {k: v for k, v in options.items() if k in ddp_options}
+    # DataParallel's output_device means "gather here"; a process of a launched job keeps its output
+    # on its own device (and torch refuses output_device for a CPU module)
+    kwargs = {k: v for k, v in options.items() if k in ddp_options and k != "output_device"}
     return DistributedDataParallel(module, device_ids=device_ids, **kwargs)
 
 

@@ -18,8 +18,9 @@ One iteration, seen from here:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from ddpkit.bucket import Bucket, assign_buckets
 from ddpkit.comm import all_gather_object
 
-__all__ = ["Reducer", "queue_end_of_backward_callback", "unused_gradient_error"]
+__all__ = ["Reducer", "outside_backward_python_context", "queue_end_of_backward_callback",
+           "unused_gradient_error"]
 
 CommHook = Callable[[Any, Bucket], torch.futures.Future]
 
@@ -40,6 +42,29 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     from inside a running backward pass (here: from a parameter's post-accumulate-grad hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+@contextlib.contextmanager
+def outside_backward_python_context() -> Iterator[None]:
+    """Launch collectives from a backward pass without its Python context in their thread state.
+
+    The other private autograd call. torch (2.13 here) stashes a ``contextvars.Context`` in C++
+    thread-local state for the length of ``backward()`` ("context" key), and every collective
+    snapshots that state into its Gloo work. When the Gloo thread drops the last reference to such
+    a work while the interpreter is exiting, freeing the Python object needs the GIL and the process
+    dies with "terminate called without an active exception" (a third of two-rank runs did). The
+    collectives need nothing from that context, so they are launched without it.
+    """
+    stashed = getattr(torch._C, "_is_key_in_tls", None) is not None and torch._C._is_key_in_tls("context")
+    if not stashed:
+        yield
+        return
+    context = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", context)
 
 
 class Reducer:
@@ -239,10 +264,11 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._fill(bucket)
-        if self.comm_hook is None:
-            self._works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
-        else:
-            self._works.append(self.comm_hook(self.comm_state, bucket))
+        with outside_backward_python_context():
+            if self.comm_hook is None:
+                self._works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
+            else:
+                self._works.append(self.comm_hook(self.comm_state, bucket))
 
     def _fill(self, bucket: Bucket) -> None:
         """Scale this bucket's gradients into its buffer (a comm hook gets them unscaled)."""
@@ -286,6 +312,10 @@ class Reducer:
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:
         """End of backward: launch what is left, wait, check, write the averages back."""
+        with outside_backward_python_context():
+            self._finalize_backward()
+
+    def _finalize_backward(self) -> None:
         try:
             missing = self._launch_remaining()
             if self.comm_hook is None:

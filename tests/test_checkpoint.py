@@ -65,6 +65,14 @@ def test_save_then_load_round_trips_and_leaves_no_temporary_file(tmp_path):
 
 
 @pytest.mark.timeout(10)
+def test_a_checkpoint_gets_the_permissions_torch_save_would_give(tmp_path):
+    ddpkit.save({"step": 1}, tmp_path / "mine.pt")
+    torch.save({"step": 1}, tmp_path / "torchs.pt")
+    mode = (tmp_path / "mine.pt").stat().st_mode & 0o777
+    assert mode == (tmp_path / "torchs.pt").stat().st_mode & 0o777, oct(mode)
+
+
+@pytest.mark.timeout(10)
 def test_load_of_a_missing_file_names_the_path(tmp_path):
     missing = tmp_path / "nope" / "step_10.pt"
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*step_10\.pt.*does not exist"):

@@ -274,6 +274,30 @@ def test_torchs_powersgd_hook_trains_like_torch():
             torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
 
 
+def _python_context_seen_by_collectives() -> tuple[bool, list[bool]]:
+    in_backward, in_launch = [], []
+
+    def recording_hook(state, bucket):
+        in_launch.append(torch._C._is_key_in_tls("context"))
+        return ddpkit.hooks.allreduce_hook(state, bucket)
+
+    ddp = ddpkit.DDP(_mlp(), bucket_cap_mb=0.0003)
+    ddp.register_comm_hook(None, recording_hook)
+    ddp.module[0].weight.register_post_accumulate_grad_hook(
+        lambda p: in_backward.append(torch._C._is_key_in_tls("context")))
+    ddp(torch.ones(2, 8)).sum().backward()
+    return any(in_backward), in_launch
+
+
+@pytest.mark.timeout(60)
+def test_collectives_launched_in_backward_carry_no_python_object_into_gloos_threads():
+    """Else a Gloo thread freeing a finished work at interpreter exit needs the GIL and aborts."""
+    for stashed_by_torch, in_launch in run_ranks(_python_context_seen_by_collectives, 2):
+        if not stashed_by_torch:
+            pytest.skip("this torch keeps no Python context in thread-local state during backward")
+        assert in_launch and not any(in_launch)
+
+
 # ---- a world of one, and argument checks (in this process, no process group) ----------------------
 
 

@@ -87,3 +87,13 @@ def test_progress_without_length_counts_items():
     out = _Terminal()
     assert list(progress(iter("ab"), file=out)) == ["a", "b"]
     assert out.getvalue().startswith("\r2 ")
+
+
+@pytest.mark.timeout(10)
+def test_a_shorter_redraw_blanks_what_the_longer_line_left():
+    out = _Terminal()
+    bar = progress(range(10), file=out)
+    bar._draw(5, elapsed=0.5)  # "5/10  50% 10.0 it/s"
+    bar._draw(10, elapsed=0.0)  # "10/10 100% " with no rate yet: shorter
+    first, second = out.getvalue().split("\r")[1:]
+    assert len(second) == len(first) and second.rstrip() == "10/10 100%"

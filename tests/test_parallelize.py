@@ -17,10 +17,12 @@ def _model() -> nn.Module:
 
 
 def _parallelize_and_step() -> dict:
-    """One SGD step on rank-specific data; DDP must leave identical parameters on every rank."""
+    """One SGD step on rank-specific data; DDP must leave identical parameters on every rank.
+
+    The DataParallel options (devices, output_device) of the same script line are ignored here."""
     torch.manual_seed(ddpkit.get_rank())  # different initial weights: DDP must broadcast rank 0's
     model = parallelize(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-                               bucket_cap_mb=1, devices=["cpu", "cpu"])
+                               bucket_cap_mb=1, devices=["cpu", "cpu"], output_device="cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.full((3, 4), float(ddpkit.get_rank() + 1))
     model(x).square().sum().backward()
