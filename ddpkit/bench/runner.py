@@ -67,6 +67,12 @@ def rank_main(rank: int, config: BenchConfig, port: int) -> None:
         sys.stderr.flush()
         os._exit(1)  # skip teardown: the other ranks may be stuck in a collective with us
     ddpkit.shutdown()
+    # torch's DDP, measured here, launches its all-reduces with backward's Python context in their
+    # thread state; a Gloo thread freeing one while the interpreter finalizes aborts the process
+    # (ddpkit's reducer avoids that, torch's cannot). Everything is written: skip finalization.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _print(text: str) -> None:
