@@ -120,6 +120,10 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     torch.manual_seed(args.seed + 1 + env.rank)  # dropout masks differ between ranks
     start = resume(args.checkpoint_dir, model, optimizer, env.rank) if args.checkpoint_dir else 0
+    if start > args.steps:
+        raise SystemExit(f"{args.checkpoint_dir} holds a checkpoint at step {start}, beyond --steps "
+                         f"{args.steps}: nothing to train. HINT: pass --steps {start} or more to go on "
+                         "from it, or another --checkpoint-dir to start afresh.")
     log_every = max(1, args.steps // 10)
 
     model.train()

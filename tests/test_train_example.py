@@ -101,6 +101,8 @@ def test_single_process_killed_after_a_checkpoint_resumes_to_the_same_parameters
     assert f"resumed from {tmp_path / 'ckpt' / 'step_00000010.pt'} at step 10" in resumed
     assert losses(resumed) == losses(reference_stdout)[5:]
     assert_same_parameters(reference, tmp_path / "final.pt")
+    with pytest.raises(AssertionError, match="holds a checkpoint at step 20, beyond --steps 10"):
+        run_example([sys.executable], "--steps", "10", "--checkpoint-dir", str(tmp_path / "ckpt"))
 
 
 @needs_ddp
