@@ -325,7 +325,7 @@ def test_node_0_vanishing_stops_node_1_with_one_line_and_no_cpp_trace(job, tmp_p
     node0.kill()
     _, err1 = node1.communicate(timeout=30)
     assert node1.returncode == 1, err1
-    assert "node 0's rendezvous store closed (node 0's launcher exited or is unreachable)" in err1
+    assert "node 0's rendezvous store" in err1 and "node 0's launcher exited or is unreachable" in err1
     assert "frame #" not in err1 and "TCPStore.cpp" not in err1  # c10d's C++ log stays quiet
     pids = job.pids()
     assert len(pids) == 8

@@ -94,8 +94,8 @@ class NodeWatch:
                         probe.close()
                     probe = _dial(*self._address)
                     if probe is None:
-                        self._lose(0, "node 0's rendezvous store closed (node 0's launcher exited "
-                                   "or is unreachable)")
+                        self._lose(0, "node 0's rendezvous store closed: node 0's launcher exited "
+                                   "or is unreachable")
                         return
                 self._check_failure()
                 now = time.monotonic()
@@ -104,8 +104,8 @@ class NodeWatch:
                     self._store.add(heartbeat_key(self._node_rank), 1)
                     self._check_heartbeats(seen, now)
         except (RuntimeError, OSError) as e:
-            self._lose(0, f"lost the connection to node 0's rendezvous store ({e}; node 0's "
-                       "launcher exited or is unreachable)")
+            self._lose(0, f"lost the connection to node 0's rendezvous store ({e}): node 0's "
+                       "launcher exited or is unreachable")
         finally:
             if probe is not None:
                 probe.close()
