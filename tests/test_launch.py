@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -124,6 +125,19 @@ def assert_all_gone(pids: set[int], timeout: float = 10) -> None:
     assert not running, f"processes of the job still running: {running}"
 
 
+def read_until(proc: subprocess.Popen, needle: bytes, timeout: float = 20) -> bytes:
+    """Read ``proc``'s stdout, unbuffered, until ``needle`` came; everything read so far."""
+    seen, fd, deadline = b"", proc.stdout.fileno(), time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{needle[:40]!r} did not come within {timeout} s: {seen[-200:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            data = os.read(fd, 65536)
+            assert data, f"stdout closed before {needle[:40]!r}: {seen[-200:]!r}"
+            seen += data
+    return seen
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -177,6 +191,22 @@ def test_workers_read_the_launchers_stdin_as_under_torchrun(job, tmp_path):
     _, err = launcher.communicate("typed at the terminal\n", timeout=30)
     assert launcher.returncode == 0, err
     assert job.results() == {0: {"stdin": "typed at the terminal"}}
+
+
+@pytest.mark.timeout(60)
+def test_a_progress_line_shows_before_its_newline_and_a_long_line_in_pieces(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "1", WORKER, str(tmp_path), "progress", stdin=subprocess.PIPE)
+    seen = read_until(launcher, b"[rank0]: progress 1/2")  # the worker waits: no newline came yet
+    launcher.stdin.write("\n")
+    launcher.stdin.flush()
+    seen += read_until(launcher, b"x" * 65536)  # a line without end is not held back whole
+    launcher.stdin.write("\n")
+    launcher.stdin.flush()
+    seen += read_until(launcher, b"progress 2/2\n")  # raw: text mode would turn \r into \n
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 0, err
+    expected = b"[rank0]: progress 1/2\r[rank0]: " + b"x" * 100_000 + b"\r[rank0]: progress 2/2"
+    assert seen.split(b"\n") == [b"[rank0]: rank 0 started", expected, b""]
 
 
 @pytest.mark.timeout(60)

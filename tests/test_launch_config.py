@@ -1,6 +1,7 @@
 """``ddpkit run``'s pure parts: torchrun's flags, the worker environment, exit descriptions. No processes."""
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ddpkit.launch.cli import main
+from ddpkit.launch.logs import _Console
 from ddpkit.launch.config import parse_args
 from ddpkit.launch.summary import describe_exit, traceback_tail
 from ddpkit.launch.workers import Placement, worker_env
@@ -129,6 +131,19 @@ def test_the_summary_shows_the_last_traceback():
              "warning", "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
     assert traceback_tail(lines) == lines[5:]
     assert traceback_tail(["a", "b"]) == ["a", "b"]
+
+
+def test_an_open_progress_line_is_ended_before_another_rank_writes():
+    console, stream, rank0, rank1 = _Console(), io.BytesIO(), object(), object()
+    out = io.TextIOWrapper(stream)
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 1", b"")])
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 2", b"")])
+    console.write(rank1, out, b"[rank1]: ", [(b"hello", b"\n")])
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 3", b""), (b"", b"\n")])
+    console.write(rank0, out, b"[rank0]: ", [(b"half a ", b"")])
+    console.write(rank0, out, b"[rank0]: ", [(b"line", b"\n")])
+    assert stream.getvalue() == (b"[rank0]: step 1\r[rank0]: step 2\n[rank1]: hello\n"
+                                 b"[rank0]: step 3\n[rank0]: half a line\n")
 
 
 @pytest.mark.parametrize("name", ["single_node.sh", "multi_node.sh", "slurm.sbatch", "torchrun.sh"])

@@ -13,6 +13,8 @@ knows every process of the job. Modes:
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
 - ``stdin``: read a line with input() and write it to ``OUT_DIR/result_<rank>.json``.
+- ``progress``: write a progress line ending in no newline ("\\rprogress 1/2"), wait for a line on
+  stdin, write 100,000 x without a newline, wait for another line, then "\\rprogress 2/2\\n".
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
@@ -79,6 +81,12 @@ def main() -> None:
         ddpkit.shutdown()
     elif mode == "stdin":
         _write(os.path.join(out, f"result_{rank}.json"), {"stdin": input()})
+    elif mode == "progress":
+        for text in ("\rprogress 1/2", "\r" + "x" * 100_000, "\rprogress 2/2\n"):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if not text.endswith("\n"):
+                input()  # the test saw it, without a newline after it
     elif mode == "fail" and rank == target:
         print("about to fail", file=sys.stderr, flush=True)
         raise ValueError(f"boom on rank {rank}")
