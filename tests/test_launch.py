@@ -19,6 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ddpkit.launch.config import parse_args
+from ddpkit.launch.signals import SignalInbox
+from ddpkit.launch.summary import failure_summary
+from ddpkit.launch.supervisor import Supervisor
+from ddpkit.launch.workers import Placement, spawn_worker
 from ranks import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,7 +246,9 @@ def test_worker_exception_stops_the_job_with_its_traceback(job, tmp_path):
     summary = err[err.index("the job failed"):]
     assert "rank 1 (node 0, local rank 1" in summary and "exit code 1" in summary
     assert "Traceback (most recent call last)" in summary and "ValueError: boom on rank 1" in summary
+    assert "KeyError: 'root cause'" in summary  # the cause of a chained exception too
     assert "stopped because of it: rank 0" in summary
+    assert "ddpkit run: stopping workers: SIGTERM, SIGKILL in 5 s" in err  # not 5 s of silence
     pids = job.pids()
     assert len(pids) == 3  # two workers and rank 1's child
     assert_all_gone(pids)
@@ -254,6 +261,33 @@ def test_worker_killed_by_sigkill_is_named_with_an_oom_hint(job, tmp_path):
     assert code == 128 + signal.SIGKILL, err
     assert "rank 0 (node 0" in err and "killed by SIGKILL" in err and "out of memory" in err
     assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_an_exit_code_of_137_is_not_taken_for_sigkill(job, tmp_path):
+    code, _, err = job.run("--no-python", "bash", "-c", "exit 137")
+    assert code == 137, err
+    assert "rank 0 (node 0, local rank 0" in err and "exit code 137" in err
+    assert "SIGKILL" not in err and "out of memory" not in err
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_failed_by_themselves_are_not_called_stopped(tmp_path):
+    supervisor = Supervisor(parse_args(["--nproc-per-node", "3", "--no-python", "sh"], environ={}))
+    supervisor._inbox = SignalInbox()  # not installed: the test sends no signal
+    places = [Placement(rank, rank, 3, 3, 0, 1) for rank in range(3)]
+    workers = [spawn_worker(("sh", "-c", "exit 2"), dict(os.environ), places[0], None),
+               spawn_worker(("sh", "-c", "exit 3"), dict(os.environ), places[1], None),
+               spawn_worker(("sleep", "60"), dict(os.environ), places[2], None)]
+    supervisor._workers = workers
+    for worker in workers[:2]:
+        worker.process.wait(timeout=20)  # both end before the supervisor looks
+    outcome = supervisor.watch()
+    supervisor.stop_workers(workers, signal.SIGTERM)
+    assert outcome.failed is workers[0] and outcome.code == 2
+    summary = failure_summary(outcome.failed, workers, 0, None)
+    assert f"also failed, before they were stopped: rank 1 (pid {workers[1].pid}, exit code 3)" in summary
+    assert f"stopped because of it: rank 2 (pid {workers[2].pid})" in summary
 
 
 @pytest.mark.timeout(60)

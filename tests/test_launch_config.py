@@ -121,9 +121,10 @@ def test_worker_env_shares_the_cores_unless_omp_num_threads_is_set():
 
 def test_exit_descriptions_name_the_signal_and_hint_at_oom():
     assert describe_exit(1) == "exit code 1"
-    assert describe_exit(137).startswith(
+    assert describe_exit(-9).startswith(
         "killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
-    assert describe_exit(139).startswith("killed by SIGSEGV")
+    assert describe_exit(-11).startswith("killed by SIGSEGV")
+    assert describe_exit(137) == "exit code 137"  # exited by itself, e.g. a shell: not a signal
 
 
 def test_the_summary_shows_the_last_traceback():
@@ -131,6 +132,24 @@ def test_the_summary_shows_the_last_traceback():
              "warning", "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
     assert traceback_tail(lines) == lines[5:]
     assert traceback_tail(["a", "b"]) == ["a", "b"]
+
+
+def test_the_summary_shows_a_chained_exception_from_its_root_cause():
+    lines = ["noise", "Traceback (most recent call last):", "  old", "E: unrelated", "",
+             "Traceback (most recent call last):", '  File "t.py"', "KeyError: 'k'", "",
+             "The above exception was the direct cause of the following exception:", "",
+             "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
+    assert traceback_tail(lines) == lines[5:]
+
+
+def test_a_bad_log_dir_is_one_line_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["--log-dir", str(tmp_path / "file"), "t.py"]) == 2
+    assert capsys.readouterr().err == (f"ddpkit run: error: --log-dir '{tmp_path / 'file'}' is an "
+                                       "existing file, not a directory.\n")
+    assert main(["--log-dir", str(tmp_path / "file" / "logs"), "t.py"]) == 2
+    assert capsys.readouterr().err.startswith(f"ddpkit run: error: --log-dir '{tmp_path / 'file' / 'logs'}'"
+                                              " cannot be written to: Not a directory")
 
 
 def test_an_open_progress_line_is_ended_before_another_rank_writes():

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse_args(argv)
+        if config.log_dir is not None:
+            _check_log_dir(config.log_dir)
     except ValueError as e:
         print(f"ddpkit run: error: {e}", file=sys.stderr)
         return 2
@@ -51,3 +53,17 @@ def _quiet_torch_cpp_logs() -> None:
             return
         except (OSError, ValueError):
             continue  # another build of torch: its C++ warnings stay visible, nothing worse
+
+
+def _check_log_dir(path: str) -> None:
+    """Create ``--log-dir`` and write a file in it now, not after the workers started."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise ValueError(f"--log-dir {path!r} is an existing file, not a directory.") from None
+    except OSError as e:
+        raise ValueError(f"--log-dir {path!r} cannot be written to: {e.strerror or e}.") from None

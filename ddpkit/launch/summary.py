@@ -14,7 +14,10 @@ from ddpkit.launch.workers import Worker
 __all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
 
 _RULE = "=" * 78
-_MAX_TAIL = 40
+_MAX_TAIL = 120
+_TRACEBACK_STARTS = ("Traceback (most recent call last)", "  + Exception Group Traceback (most recent")
+_CHAIN_LINES = ("The above exception was the direct cause of the following exception:",
+                "During handling of the above exception, another exception occurred:")
 _HINTS = {
     signal.SIGKILL: "possibly out of memory: the kernel's OOM killer sends SIGKILL (check `dmesg` "
                     "or the job's memory limit)",
@@ -24,29 +27,48 @@ _HINTS = {
 }
 
 
-def describe_exit(code: int) -> str:
-    """``exit code 1``, or ``SIGKILL (signal 9, exit code 137): possibly out of memory ...``."""
-    if code <= 128 or code - 128 >= signal.NSIG:
-        return f"exit code {code}"
-    sig = signal.Signals(code - 128) if code - 128 in signal.valid_signals() else None
-    if sig is None:
-        return f"exit code {code}"
-    text = f"killed by {sig.name} (signal {int(sig)}, exit code {code})"
+def describe_exit(returncode: int) -> str:
+    """``exit code 1``, or for -9 ``killed by SIGKILL (signal 9, exit code 137): possibly out of memory ...``.
+
+    ``returncode`` is Popen's: negative when a signal ended the process. A process that exits with
+    code 137 by itself (a shell whose child was killed, ``sys.exit(137)``) was not killed by a signal.
+    """
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"killed by signal {-returncode} (exit code {128 - returncode})"
+    text = f"killed by {sig.name} (signal {int(sig)}, exit code {128 + int(sig)})"
     hint = _HINTS.get(sig)
     return f"{text}: {hint}" if hint else text
 
 
 def traceback_tail(lines: list[str]) -> list[str]:
-    """From the last Python traceback on (if one is in ``lines``), else the last lines."""
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    tail = lines[starts[-1]:] if starts else lines
-    return tail[-_MAX_TAIL:]
+    """From the last Python traceback on (if one is in ``lines``), else the last lines.
+
+    A chained exception (``raise ... from e``, or one raised while handling another) prints its
+    causes first: they belong to the last traceback, so the root cause is shown too.
+    """
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK_STARTS)]
+    if not starts:
+        return lines[-_MAX_TAIL:]
+    first = len(starts) - 1
+    while first > 0 and _chained(lines[starts[first - 1]:starts[first]]):
+        first -= 1
+    return lines[starts[first]:][-_MAX_TAIL:]
+
+
+def _chained(group: list[str]) -> bool:
+    """Whether a traceback ends by saying that the next one follows from it."""
+    text = [line.strip() for line in group if line.strip()]
+    return bool(text) and text[-1] in _CHAIN_LINES
 
 
 def failure_info(worker: Worker, node_rank: int) -> dict:
     """What the other nodes are told about a failure on this one (JSON-able)."""
     return {"node": node_rank, "rank": worker.rank, "pid": worker.pid, "host": socket.gethostname(),
-            "code": worker.exit_code, "how": describe_exit(worker.exit_code or 0)}
+            "code": worker.exit_code, "how": describe_exit(worker.process.returncode or 0)}
 
 
 def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
@@ -55,7 +77,11 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     place = failed.place
     lines = [_RULE, "ddpkit run: the job failed", _RULE,
              f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
-             f"host {socket.gethostname()}): {describe_exit(failed.exit_code or 0)}"]
+             f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0)}"]
+    also = [w for w in workers if w.state == "failed" and w is not failed]
+    if also:
+        lines.append("also failed, before they were stopped: " + ", ".join(
+            f"rank {w.rank} (pid {w.pid}, {describe_exit(w.process.returncode or 0)})" for w in also))
     stopped = [w for w in workers if w.state == "stopped"]
     if stopped:
         lines.append("stopped because of it: " + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stopped))
@@ -81,4 +107,7 @@ def remote_summary(info: dict, workers: list[Worker]) -> str:
     else:
         cause = (f"rank {info['rank']} on node {info['node']} (host {info['host']}, pid {info['pid']}) "
                  f"failed: {info['how']}; its launcher prints the details")
-    return f"ddpkit run: stopping: {cause}.\nddpkit run: stopped on this node: {stopped}."
+    failed = [w for w in workers if w.state == "failed"]
+    also = "".join(f"\nddpkit run: failed on this node before it was stopped: rank {w.rank} "
+                   f"({describe_exit(w.process.returncode or 0)})" for w in failed)
+    return f"ddpkit run: stopping: {cause}.\nddpkit run: stopped on this node: {stopped}.{also}"

@@ -146,22 +146,12 @@ class Supervisor:
             self._handle_signals()
             if self.stop_signal is not None:
                 return Outcome("signal", 128 + self.stop_signal)
-            failed = []
-            for worker in self._workers:
-                returncode = worker.process.poll()
-                if returncode is None or worker.state != "running":
-                    continue
-                worker.exit_code = exit_code(returncode)
-                worker.state = "succeeded" if returncode == 0 else "failed"
-                if returncode != 0:
-                    failed.append((returncode > 0, worker.rank, worker))
+            ended = [w for w in self._workers if _settle(w)]
+            failed = [w for w in ended if w.state == "failed"]
             if failed:
-                # several in one poll: a worker killed by a signal is more likely the cause than one
-                # that raised because its peer vanished; the others count as stopped
-                first = min(failed, key=lambda f: f[:2])[2]
-                for _, _, worker in failed:
-                    if worker is not first:
-                        worker.state = "stopped"
+                # several in one poll, all on their own: a worker killed by a signal is more likely
+                # the cause than one that raised because its peer vanished, else the lowest rank
+                first = min(failed, key=lambda w: (w.process.returncode > 0, w.rank))
                 return Outcome("failed", first.exit_code, failed=first)
             if all(w.state == "succeeded" for w in self._workers):
                 return Outcome("succeeded")
@@ -172,7 +162,12 @@ class Supervisor:
 
     def stop_workers(self, workers: list[Worker], sig: int) -> None:
         """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers."""
+        for worker in workers:
+            _settle(worker)  # one that ended by itself before we signal it was not stopped by us
         running = [w for w in workers if w.process.poll() is None]
+        if running:
+            _say(f"stopping workers: {signal.Signals(sig).name}, SIGKILL in "
+                 f"{self.config.grace_period:g} s")
         for worker in running:
             signal_worker(worker, sig)
         deadline = time.monotonic() + self.config.grace_period
@@ -184,7 +179,8 @@ class Supervisor:
         for worker in workers:
             if worker.state == "running":
                 worker.state = "stopped"
-                worker.exit_code = worker.process.returncode
+                returncode = worker.process.returncode
+                worker.exit_code = None if returncode is None else exit_code(returncode)
         for worker in workers:
             if not worker.pump.join(timeout=2.0):
                 _say(f"rank {worker.rank}'s output pipe is still held open by a process outside "
@@ -212,6 +208,16 @@ class Supervisor:
     def _aborted(self) -> bool:
         self._handle_signals()
         return self.stop_signal is not None
+
+
+def _settle(worker: Worker) -> bool:
+    """If a running worker exited by itself, record how (succeeded or failed); returns whether it did."""
+    returncode = worker.process.poll()
+    if returncode is None or worker.state != "running":
+        return False
+    worker.exit_code = exit_code(returncode)
+    worker.state = "succeeded" if returncode == 0 else "failed"
+    return True
 
 
 def run(config: LaunchConfig, environ: dict[str, str] | None = None) -> int:

@@ -8,7 +8,8 @@ knows every process of the job. Modes:
 - ``allreduce``: ddpkit.init(backend="gloo"), all-reduce rank + 1, write
   ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables and this
   script's arguments.
-- ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError; others block.
+- ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError from a
+  KeyError; others block.
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
@@ -89,7 +90,10 @@ def main() -> None:
                 input()  # the test saw it, without a newline after it
     elif mode == "fail" and rank == target:
         print("about to fail", file=sys.stderr, flush=True)
-        raise ValueError(f"boom on rank {rank}")
+        try:
+            {}["root cause"]
+        except KeyError as e:
+            raise ValueError(f"boom on rank {rank}") from e
     elif mode == "sigkill" and rank == target:
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "fail-once":
