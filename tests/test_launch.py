@@ -23,6 +23,7 @@ from ddpkit.launch.config import parse_args
 from ddpkit.launch.signals import SignalInbox
 from ddpkit.launch.summary import failure_summary
 from ddpkit.launch.supervisor import Supervisor
+from ddpkit.launch.watchdog import _SCAN_EVERY as _WATCHDOG_SCAN
 from ddpkit.launch.workers import Placement, spawn_worker
 from ranks import kill_tree
 
@@ -408,6 +409,20 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(job, tmp_path):
     launcher.kill()
     launcher.communicate(timeout=10)
     assert_all_gone(pids)  # workers by their death signal, their children by the watchdog
+
+
+@pytest.mark.timeout(60)
+def test_launcher_killed_with_sigkill_leaves_no_daemon_a_worker_started(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "1", WORKER, str(tmp_path), "detached")
+    job.wait_for_files("pids_*.json", 1)
+    pids = job.pids()
+    assert len(pids) == 2
+    # the watchdog records the workers' descendants once a second and announces nothing: a daemon
+    # (its own session) is only found by such a record, so let two of them pass
+    time.sleep(2 * _WATCHDOG_SCAN)
+    launcher.kill()
+    launcher.communicate(timeout=10)
+    assert_all_gone(pids)
 
 
 @pytest.mark.timeout(60)

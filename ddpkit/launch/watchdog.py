@@ -1,17 +1,23 @@
-"""A watchdog that kills what is left of the workers' sessions if the launcher dies without cleaning up.
+"""A watchdog that kills what is left of the workers if the launcher dies without cleaning up.
 
 A SIGKILLed launcher runs no code. Its workers die by their parent-death signal, but their own children
 (DataLoader workers, shell pipelines, servers a script started) would live on as orphans. So the
 launcher starts this tiny stdlib-only process, in a session of its own, and tells it each worker's pid
-through a pipe. When the pipe closes without a final ``exit`` line, the launcher is gone: the watchdog
-SIGKILLs every process still in a worker's session, then exits.
+through a pipe. Every second it also records every descendant of the workers, with its start time:
+a child that left the worker's session (``start_new_session=True``, a daemon) is found that way.
+When the pipe closes without a final ``exit`` line, the launcher is gone: the watchdog SIGKILLs every
+process still in a worker's session and every recorded descendant still running (same pid, same start
+time, so never a stranger that reuses a pid), then exits. A descendant started less than a second
+before the launcher died can escape it if it also left the session.
 """
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 
 __all__ = ["Watchdog", "kill_sessions"]
 
@@ -59,29 +65,55 @@ class Watchdog:
                 pass
 
 
-def _session_members(sessions: set[int]) -> list[int]:
-    members = []
+_SCAN_EVERY = 1.0  # seconds between two records of the workers' descendants
+
+
+def _processes() -> dict[int, tuple[int, int, int]]:
+    """Every live process (zombies run nothing): pid -> (parent pid, session, start time in clock
+    ticks since boot)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses
+                # "pid (comm) state ppid pgrp session ... starttime (22nd)": comm may hold spaces
                 fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if int(fields[3]) in sessions:
-            members.append(int(entry))
-    return members
+        if fields[0] != "Z":
+            table[int(entry)] = (int(fields[1]), int(fields[3]), int(fields[19]))
+    return table
 
 
-def kill_sessions(sessions: set[int]) -> None:
-    """SIGKILL every process in these sessions, again until none is left (a dying parent may fork)."""
+def _descendants(roots: dict[int, int], table: dict[int, tuple[int, int, int]]) -> dict[int, int]:
+    """The processes below ``roots`` (pid -> start time) that are still running, roots included."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, int] = {}
+    todo = [pid for pid, start in roots.items() if pid in table and table[pid][2] == start]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = table[pid][2]
+            todo += children.get(pid, [])
+    return found
+
+
+def kill_sessions(sessions: set[int], also: dict[int, int] | None = None) -> None:
+    """SIGKILL every process in these sessions, and each of ``also`` (pid -> start time) that is
+    still the same process, again until none is left (a dying parent may fork)."""
+    also = dict(also or {})
     for _ in range(10):
-        members = _session_members(sessions)
-        if not members:
+        table = _processes()
+        doomed = [pid for pid, (_, session, _) in table.items() if session in sessions]
+        # a recorded process's children go too: started since the last record, or re-parented
+        doomed += _descendants(also, table)
+        if not doomed:
             return
-        for pid in members:
+        for pid in doomed:
+            also[pid] = table[pid][2]
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -92,12 +124,32 @@ def _main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only the launcher's end of the pipe decides
     sessions: set[int] = set()
-    for line in sys.stdin:
-        if line.strip() == "exit":
-            return
-        if line.strip().isdigit():
-            sessions.add(int(line))
-    kill_sessions(sessions)
+    recorded: dict[int, int] = {}  # every worker and descendant seen: pid -> start time
+    pending, next_scan = b"", time.monotonic() + _SCAN_EVERY
+    while True:
+        if select.select([0], [], [], max(0.0, next_scan - time.monotonic()))[0]:
+            data = os.read(0, 4096)
+            if not data:
+                break  # the launcher is gone
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                if line.strip() == b"exit":
+                    return
+                if line.strip().isdigit():
+                    sessions.add(int(line))
+                    recorded[int(line)] = _start_time(int(line))
+        if time.monotonic() >= next_scan:
+            recorded = _descendants(recorded, _processes())  # the gone are forgotten
+            next_scan = time.monotonic() + _SCAN_EVERY
+    kill_sessions(sessions, recorded)
+
+
+def _start_time(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 if __name__ == "__main__":

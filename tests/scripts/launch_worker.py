@@ -16,6 +16,8 @@ knows every process of the job. Modes:
 - ``stdin``: read a line with input() and write it to ``OUT_DIR/result_<rank>.json``.
 - ``progress``: write a progress line ending in no newline ("\\rprogress 1/2"), wait for a line on
   stdin, write 100,000 x without a newline, wait for another line, then "\\rprogress 2/2\\n".
+- ``detached``: as ``block``, but the grandchild is a daemon in a session of its own that ignores
+  SIGTERM and SIGHUP.
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
@@ -46,7 +48,11 @@ def _record(out: str, rank: int, attempt: str, child: int | None = None) -> None
     _write(os.path.join(out, f"pids_{rank}_{attempt}.json"), {"pid": os.getpid(), "child": child})
 
 
-def _grandchild() -> int:
+def _grandchild(detached: bool = False) -> int:
+    if detached:  # a daemon: a session of its own, deaf to SIGTERM and SIGHUP
+        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "signal.signal(signal.SIGHUP, signal.SIG_IGN); time.sleep(600)")
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True).pid
     # no new session: it stays in the worker's process group, as a DataLoader worker would
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
@@ -64,6 +70,8 @@ def main() -> None:
     if mode == "block-on-node":
         mode = "block" if os.environ["GROUP_RANK"] == args[0] else "succeed"
     child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
+    if mode == "detached":
+        child, mode = _grandchild(detached=True), "block"
     _record(out, rank, attempt, child)
     print(f"rank {rank} started", flush=True)
 
