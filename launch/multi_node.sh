@@ -8,11 +8,13 @@
 # NNODES       number of nodes (required)
 # NODE_RANK    this node's rank, 0 .. NNODES-1 (required); node 0 hosts the rendezvous
 # MASTER_ADDR  address of node 0 that every node can reach (required)
-# MASTER_PORT  rendezvous port on node 0 (default 29500); node 0 also opens one ephemeral port per
-#              attempt for the workers' store, so the nodes must reach node 0 on ephemeral ports too
+# MASTER_PORT  rendezvous port on node 0 (default 29500); the workers use it too (MASTER_PORT, as
+#              in torchrun), so it is the only port of node 0 the other nodes must reach
 # NPROC        workers per node: a number or gpu / cpu / auto (default gpu)
 # RDZV_TIMEOUT seconds to wait for all nodes to join (default 900); a node that never comes is
 #              named in the error
+# NODE_TIMEOUT seconds without a heartbeat from a node's launcher before the others count it as
+#              lost and stop (default 30)
 # RESTARTS     restart every node's workers up to this many times after a failure (default 0)
 #
 # A failure on any node stops the workers on every node; each launcher exits with the failing
@@ -30,5 +32,6 @@ exec python -m ddpkit run \
     --master-port "${MASTER_PORT:-29500}" \
     --nproc-per-node "${NPROC:-gpu}" \
     --rdzv-timeout "${RDZV_TIMEOUT:-900}" \
+    --node-timeout "${NODE_TIMEOUT:-30}" \
     --max-restarts "${RESTARTS:-0}" \
     "$SCRIPT" "$@"

@@ -47,6 +47,7 @@ class Job:
     def __init__(self, out: Path):
         self.out = out
         self.launchers: list[subprocess.Popen] = []
+        self.port: int | None = None  # node 0's --master-port, set by start_two_nodes
 
     def start(self, *args: str, command: tuple[str, ...] = ("-m", "ddpkit", "run"),
               stdin: int | None = None) -> subprocess.Popen:
@@ -61,11 +62,11 @@ class Job:
         return proc.returncode, out, err
 
     def start_two_nodes(self, *args: str) -> list[subprocess.Popen]:
-        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers."""
-        port = str(_free_port())
+        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers, on ``self.port``."""
+        self.port = _free_port()
         return [self.start("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout",
-                           "30", "--grace-period", "5", *args) for rank in (0, 1)]
+                           "--master-addr", "127.0.0.1", "--master-port", str(self.port),
+                           "--rdzv-timeout", "30", "--grace-period", "5", *args) for rank in (0, 1)]
 
     def run_two_nodes(self, *args: str, timeout: float = 50) -> list[tuple[int, str]]:
         """``start_two_nodes`` and wait for both; (exit code, stderr) of each."""
@@ -188,6 +189,8 @@ def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
     assert {r["sum"] for r in results.values()} == {10.0}
     assert [results[r]["env"]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
     assert {results[r]["env"]["WORLD_SIZE"] for r in range(4)} == {"4"}
+    # as in torchrun: the workers use node 0's store on --master-port, no other port is opened
+    assert {results[r]["env"]["MASTER_PORT"] for r in range(4)} == {str(job.port)}
     assert_all_gone(job.pids())
 
 

@@ -90,8 +90,19 @@ def test_pet_variables_set_defaults_as_in_torchrun():
 
 
 def test_other_rendezvous_backends_are_refused_with_a_hint():
-    with pytest.raises(ValueError, match="--rdzv-backend 'c10d' is not supported.*--master-addr"):
-        parse_args(["--rdzv-backend", "c10d", "t.py"], environ={})
+    with pytest.raises(ValueError, match="--rdzv-backend 'c10d' is not supported with --nnodes 2.*"
+                                         "--master-addr"):
+        parse_args(["--rdzv-backend", "c10d", "--nnodes", "2", "t.py"], environ={})
+    with pytest.raises(ValueError, match="--rdzv-backend 'etcd' is not supported"):
+        parse_args(["--rdzv-backend", "etcd", "t.py"], environ={})
+
+
+def test_torchruns_single_node_c10d_command_line_and_no_op_flags_parse():
+    config = parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-conf",
+                         "join_timeout=5", "--local-ranks-filter", "0", "--local_addr", "n1",
+                         "--nproc-per-node", "2", "t.py"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes, config.nproc_per_node) == (
+        "localhost", None, 1, 2)
 
 
 def test_torchrun_command_lines_with_endpoint_and_output_flags_parse():

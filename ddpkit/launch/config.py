@@ -114,7 +114,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    help="job id, given to workers as TORCHELASTIC_RUN_ID.")
     p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
                    default=pet("rdzv_backend", "static"),
-                   help="only 'static' (torchrun's default) is supported.")
+                   help="'static' (torchrun's default); 'c10d' is accepted on a single node, where "
+                   "it means the same.")
     p.add_argument(*_spellings("rdzv-endpoint"), dest="rdzv_endpoint", default=pet("rdzv_endpoint", ""),
                    metavar="HOST[:PORT]",
                    help="with the static rendezvous, as in torchrun: node 0's address and port, in "
@@ -132,6 +133,15 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    "prefixed with [rank<r>]:, and kept per rank with --log-dir.")
     p.add_argument("-r", "--redirects", default=pet("redirects", None), metavar="STREAMS",
                    help="accepted for torchrun compatibility (see --tee).")
+    p.add_argument(*_spellings("local-ranks-filter"), dest="local_ranks_filter", metavar="RANKS",
+                   default=pet("local_ranks_filter", ""),
+                   help="accepted for torchrun compatibility: every rank's output is shown (see --tee).")
+    p.add_argument(*_spellings("local-addr"), dest="local_addr", default=pet("local_addr", None),
+                   metavar="ADDR", help="accepted for torchrun compatibility: the static rendezvous "
+                   "needs no address of this node.")
+    p.add_argument(*_spellings("rdzv-conf"), dest="rdzv_conf", default=pet("rdzv_conf", ""),
+                   metavar="KEY=VALUE,...", help="accepted for torchrun compatibility: the static "
+                   "rendezvous has no options (see --rdzv-timeout).")
     p.add_argument("-m", "--module", action="store_true", default=pet_flag("module"),
                    help="run the script as a module, like 'python -m'.")
     p.add_argument(*_spellings("no-python"), dest="no_python", action="store_true",
@@ -169,12 +179,14 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     """
     environ = os.environ if environ is None else environ
     args = build_parser(environ).parse_args(list(argv))
-    if args.rdzv_backend != "static":
-        raise ValueError(
-            f"--rdzv-backend {args.rdzv_backend!r} is not supported: 'ddpkit run' uses a static "
-            "rendezvous. HINT: give every node --nnodes N --node-rank R --master-addr HOST0 "
-            "--master-port P instead of --rdzv-endpoint.")
     nnodes = _parse_nnodes(str(args.nnodes))
+    # torchrun's c10d backend on one node is the same as the static one: there is no other node
+    if args.rdzv_backend != "static" and not (args.rdzv_backend == "c10d" and nnodes == 1):
+        raise ValueError(
+            f"--rdzv-backend {args.rdzv_backend!r} is not supported with --nnodes {nnodes}: "
+            "'ddpkit run' meets nodes with a static rendezvous. HINT: give every node --nnodes N "
+            "--node-rank R --master-addr HOST0 --master-port P (or --rdzv-endpoint HOST0:P) and "
+            "leave out --rdzv-backend.")
     if args.standalone and nnodes != 1:
         raise ValueError(f"--standalone runs a single node, but --nnodes is {nnodes}.")
     if not 0 <= args.node_rank < nnodes:

@@ -2,9 +2,10 @@
 
 Node 0 hosts the rendezvous store at --master-addr:--master-port; every node launcher (node 0's too)
 connects to it, checks it agrees with node 0 on --nnodes, registers, and waits for all the others.
-Each attempt starts when every node has arrived at it; node 0 then opens the attempt's worker store
-and publishes its port. A node whose workers fail publishes the failure, and every node stops its
-own. A node that gives up (a missing node, a vanished one, a disagreement) leaves the reason under
+Each attempt starts when every node has arrived at it. As in torchrun, the workers use the same store
+(MASTER_PORT is --master-port, so only that port must be open between nodes); the launchers' keys
+live under ``ddpkit-run/``, and ``ddpkit.init`` keeps each attempt's keys apart. A node whose workers
+fail publishes the failure, and every node stops its own. A node that gives up (a missing node, a vanished one, a disagreement) leaves the reason under
 ``abort``, so every node prints the same message, and node 0 keeps its store open until the others
 have read it. ``NodeWatch`` beats this node's heartbeat and notices a vanished node.
 """
@@ -22,8 +23,8 @@ import torch.distributed as dist
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
-from ddpkit.launch.node_watch import NodeWatch, wait_reachable
-from ddpkit.launch.rendezvous import Layout, host_store
+from ddpkit.launch.node_watch import NodeWatch, launcher_store, wait_reachable
+from ddpkit.launch.rendezvous import Layout
 
 __all__ = ["NodeRendezvous"]
 
@@ -39,8 +40,7 @@ class NodeRendezvous:
         self._config = config
         self._address = f"{config.master_addr}:{config.master_port}"
         self._server: dist.TCPStore | None = None  # node 0 only
-        self._store: dist.TCPStore | None = None
-        self._worker_store: dist.TCPStore | None = None
+        self._store: dist.Store | None = None
         self._watch: NodeWatch | None = None
         self._registered = False
 
@@ -74,7 +74,7 @@ class NodeRendezvous:
             nprocs = [json.loads(store.get(f"node/{r}"))["nproc"] for r in range(cfg.nnodes)]
         return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes)
 
-    def _connect(self, deadline: float, abort: Callable[[], bool]) -> dist.TCPStore:
+    def _connect(self, deadline: float, abort: Callable[[], bool]) -> dist.Store:
         cfg = self._config
         error: Exception | None = None
         # a plain socket first: TCPStore's own retries log a C++ stack trace per attempt
@@ -84,8 +84,7 @@ class NodeRendezvous:
         while not abort():
             wait = max(1.0, min(5.0, deadline - time.monotonic()))
             try:
-                return dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=False,
-                                     timeout=timedelta(seconds=wait))
+                return launcher_store(cfg.master_addr, cfg.master_port, timedelta(seconds=wait))
             except (RuntimeError, OSError) as e:
                 error = e
             if time.monotonic() >= deadline:
@@ -175,27 +174,19 @@ class NodeRendezvous:
 
     # ------------------------------------------------------------------------------------ attempts
     def begin_attempt(self, attempt: int, abort: Callable[[], bool]) -> tuple[str, int]:
-        """Wait for every node to reach this attempt; returns the worker store's address and port."""
+        """Wait for every node to reach this attempt; returns the workers' store address and port."""
         cfg, store, watch = self._config, self._store, self._watch
         assert store is not None and watch is not None
         deadline = time.monotonic() + cfg.rdzv_timeout
         watch.follow(None)
-        what, port_key = f"start attempt {attempt}", f"attempt/{attempt}/port"
+        what = f"start attempt {attempt}"
         with self._node0_alive(what):
             store.set(f"attempt/{attempt}/arrived/{cfg.node_rank}", "1")
             store.add(f"attempt/{attempt}/arrived", 1)
             self._wait_all(f"attempt/{attempt}/arrived", f"attempt/{attempt}/arrived/{{}}", deadline,
                            abort, what, "arrived")
-            if cfg.node_rank == 0:
-                self._worker_store = None
-                self._worker_store = host_store(None, 0)  # reachable from the other nodes
-                store.set(port_key, str(self._worker_store.port))
-            while not store.check([port_key]):
-                self._check_abandoned(abort, deadline, what, "arrived")
-                time.sleep(_POLL)
-            port = int(store.get(port_key))
         watch.follow(f"attempt/{attempt}/failed")
-        return cfg.master_addr, port
+        return cfg.master_addr, cfg.master_port
 
     def report_failure(self, attempt: int, info: dict) -> None:
         """Tell every node to stop; only the first failure of an attempt is published."""
@@ -247,7 +238,7 @@ class NodeRendezvous:
             self._watch = None
         if self._server is not None and self._store is not None:
             self._wait_for_acknowledgements()
-        self._store = self._worker_store = self._server = None
+        self._store = self._server = None
 
     def _wait_for_acknowledgements(self) -> None:
         """Node 0, after an abandoned rendezvous: give every registered node a moment to read why."""

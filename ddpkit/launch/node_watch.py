@@ -21,13 +21,18 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["NodeWatch", "wait_reachable", "heartbeat_key"]
+__all__ = ["NodeWatch", "wait_reachable", "heartbeat_key", "launcher_store"]
 
 _TICK = 0.1
 
 
 def heartbeat_key(node_rank: int) -> str:
     return f"alive/{node_rank}"
+
+
+def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
+    """A connection to node 0's store, with the launchers' keys apart from the workers'."""
+    return dist.PrefixStore("ddpkit-run", dist.TCPStore(host, port, is_master=False, timeout=timeout))
 
 
 def _dial(host: str, port: int) -> socket.socket | None:
@@ -71,7 +76,7 @@ class NodeWatch:
         self._key: str | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self._store = launcher_store(host, port, timedelta(seconds=30))
         self._store.add(heartbeat_key(node_rank), 1)  # alive from now on, before the thread runs
         self._thread = threading.Thread(target=self._run, name="ddpkit-node-watch", daemon=True)
         self._thread.start()
