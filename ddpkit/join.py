@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from ddpkit.comm import all_gather_object
-from ddpkit.reducer import Reducer, unused_gradient_error
+from ddpkit.reducer import Reducer
+from ddpkit.reducer_errors import unused_gradient_error
 
 if TYPE_CHECKING:
     from ddpkit.distributed import DistributedDataParallel

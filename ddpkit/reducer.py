@@ -18,53 +18,20 @@ One iteration, seen from here:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ddpkit.autograd_engine import outside_backward_python_context, queue_end_of_backward_callback
 from ddpkit.bucket import Bucket, assign_buckets
 from ddpkit.comm import all_gather_object
+from ddpkit.reducer_errors import late_gradient_error, second_gradient_error, unused_gradient_error
 
-__all__ = ["Reducer", "outside_backward_python_context", "queue_end_of_backward_callback",
-           "unused_gradient_error"]
+__all__ = ["Reducer"]
 
 CommHook = Callable[[Any, Bucket], torch.futures.Future]
-
-
-def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the autograd engine has finished the current backward pass.
-
-    The one private autograd call in ddpkit. ``Variable._execution_engine.queue_callback`` is what
-    torch's own DDP uses for the same purpose; there is no public equivalent. It must be called
-    from inside a running backward pass (here: from a parameter's post-accumulate-grad hook).
-    """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-@contextlib.contextmanager
-def outside_backward_python_context() -> Iterator[None]:
-    """Launch collectives from a backward pass without its Python context in their thread state.
-
-    The other private autograd call. torch (2.13 here) stashes a ``contextvars.Context`` in C++
-    thread-local state for the length of ``backward()`` ("context" key), and every collective
-    snapshots that state into its Gloo work. When the Gloo thread drops the last reference to such
-    a work while the interpreter is exiting, freeing the Python object needs the GIL and the process
-    dies with "terminate called without an active exception" (a third of two-rank runs did). The
-    collectives need nothing from that context, so they are launched without it.
-    """
-    stashed = getattr(torch._C, "_is_key_in_tls", None) is not None and torch._C._is_key_in_tls("context")
-    if not stashed:
-        yield
-        return
-    context = torch._C._get_obj_in_tls("context")
-    torch._C._remove_obj_from_tls("context")
-    try:
-        yield
-    finally:
-        torch._C._stash_obj_in_tls("context", context)
 
 
 class Reducer:
@@ -210,11 +177,11 @@ class Reducer:
         if not self._expecting:
             if self._finalized:
                 self._finalized = False
-                raise self._late_gradient_error(index)
+                raise late_gradient_error(self.rank, self.names[index])
             return
         ready = self._ready
         if ready[index]:
-            raise self._second_gradient_error(index)
+            raise second_gradient_error(self.rank, self.names[index], self._used[index])
         ready[index] = True
         if self._record is not None:
             self._record.append(index)
@@ -229,25 +196,6 @@ class Reducer:
                 return
         if not left and b == self._next_bucket:
             self._launch_ready_buckets()
-
-    def _late_gradient_error(self, index: int) -> RuntimeError:
-        return RuntimeError(
-            f"DistributedDataParallel on rank {self.rank}: a gradient for '{self.names[index]}' "
-            "arrived after this iteration's gradients were already averaged: backward() ran twice "
-            "through one forward's graph, or through the graph of an earlier iteration. HINT: call "
-            "forward() through the DDP model again before each backward().")
-
-    def _second_gradient_error(self, index: int) -> RuntimeError:
-        name = f"DistributedDataParallel on rank {self.rank}: parameter '{self.names[index]}' received"
-        if not self._used[index]:
-            return RuntimeError(
-                f"{name} a gradient, but the forward's output has no autograd path to it, so it was "
-                "already reduced as unused. HINT: return every tensor the loss is computed from in "
-                "the module's output.")
-        return RuntimeError(
-            f"{name} its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
-            "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "
-            "(use_reentrant=False), or static_graph=True.")
 
     def _mark_unused(self, indices: Sequence[int]) -> None:
         for i in indices:
@@ -398,18 +346,3 @@ class Reducer:
         self._deferred_unused = None
         self.iterations += counted
         self._reset_iteration()
-
-
-def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
-                          static_graph: bool) -> RuntimeError:
-    """The error every rank raises when some rank's backward left parameters without a gradient."""
-    listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names)
-                       for r, names in everyone if names)
-    mode = ("static_graph=True, and these were used in the first iteration" if static_graph
-            else "find_unused_parameters=False")
-    return RuntimeError(
-        f"DistributedDataParallel: parameters received no gradient in this backward pass, so their "
-        f"buckets could not be averaged ({mode}): {listed} (this is rank {rank}). HINT: pass "
-        "find_unused_parameters=True to DistributedDataParallel, or make sure the output (the loss) "
-        "depends on every parameter; freeze parameters you do not train with requires_grad_(False) "
-        "before wrapping the model.")

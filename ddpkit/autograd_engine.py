@@ -1,0 +1,47 @@
+"""The private autograd calls ddpkit makes, in one place, each saying why no public API would do.
+
+DistributedDataParallel's reducer needs two things from a running backward pass that torch offers
+only privately: a callback when the engine has finished (to wait for the all-reduces once), and
+collectives launched without the Python object that backward keeps in C++ thread-local state.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["outside_backward_python_context", "queue_end_of_backward_callback"]
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the autograd engine has finished the current backward pass.
+
+    ``Variable._execution_engine.queue_callback`` is what
+    torch's own DDP uses for the same purpose; there is no public equivalent. It must be called
+    from inside a running backward pass (here: from a parameter's post-accumulate-grad hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+@contextlib.contextmanager
+def outside_backward_python_context() -> Iterator[None]:
+    """Launch collectives from a backward pass without its Python context in their thread state.
+
+    torch (2.13 here) stashes a ``contextvars.Context`` in C++
+    thread-local state for the length of ``backward()`` ("context" key), and every collective
+    snapshots that state into its Gloo work. When the Gloo thread drops the last reference to such
+    a work while the interpreter is exiting, freeing the Python object needs the GIL and the process
+    dies with "terminate called without an active exception" (a third of two-rank runs did). The
+    collectives need nothing from that context, so they are launched without it.
+    """
+    stashed = getattr(torch._C, "_is_key_in_tls", None) is not None and torch._C._is_key_in_tls("context")
+    if not stashed:
+        yield
+        return
+    context = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", context)
