@@ -47,7 +47,7 @@ class Job:
     def __init__(self, out: Path):
         self.out = out
         self.launchers: list[subprocess.Popen] = []
-        self.port: int | None = None  # node 0's --master-port, set by start_two_nodes
+        self.port: int | None = None  # node 0's --master-port, set by start_nodes
 
     def start(self, *args: str, command: tuple[str, ...] = ("-m", "ddpkit", "run"),
               stdin: int | None = None) -> subprocess.Popen:
@@ -61,16 +61,17 @@ class Job:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
 
-    def start_two_nodes(self, *args: str) -> list[subprocess.Popen]:
-        """Two launchers on this host, node ranks 0 and 1 of 2 nodes x 2 workers, on ``self.port``."""
+    def start_nodes(self, *args: str, nnodes: int = 2, nproc: int = 2) -> list[subprocess.Popen]:
+        """``nnodes`` launchers on this host, of ``nproc`` workers each, meeting on ``self.port``."""
         self.port = _free_port()
-        return [self.start("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(self.port),
-                           "--rdzv-timeout", "30", "--grace-period", "5", *args) for rank in (0, 1)]
+        return [self.start("--nnodes", str(nnodes), "--node-rank", str(rank), "--nproc-per-node",
+                           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(self.port),
+                           "--rdzv-timeout", "30", "--grace-period", "5", *args)
+                for rank in range(nnodes)]
 
     def run_two_nodes(self, *args: str, timeout: float = 50) -> list[tuple[int, str]]:
-        """``start_two_nodes`` and wait for both; (exit code, stderr) of each."""
-        nodes = self.start_two_nodes(*args)
+        """Two nodes of two workers each; waits for both: (exit code, stderr) of each."""
+        nodes = self.start_nodes(*args)
         errors = [node.communicate(timeout=timeout)[1] for node in nodes]
         return [(node.returncode, err) for node, err in zip(nodes, errors)]
 
@@ -366,29 +367,30 @@ def test_restart_after_a_failure_on_one_node_restarts_every_node(job, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_node_whose_launcher_vanishes_ends_the_job_on_the_others_naming_it(job, tmp_path):
-    node0, node1 = job.start_two_nodes("--node-timeout", "1.5", WORKER, str(tmp_path),
-                                       "block-on-node", "1")
-    job.wait_for_files("pids_*.json", 4)
-    node0_workers = []
+    nodes = job.start_nodes("--node-timeout", "1.5", WORKER, str(tmp_path), "block-on-node", "2",
+                            nnodes=3, nproc=1)
+    job.wait_for_files("pids_*.json", 3)
+    finished = []
     for rank in (0, 1):
         try:
-            node0_workers.append(psutil.Process(job.worker_pid(rank)))
+            finished.append(psutil.Process(job.worker_pid(rank)))
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(node0_workers, timeout=20)  # node 0's ranks succeed at once
+    _, alive = psutil.wait_procs(finished, timeout=20)  # nodes 0 and 1's ranks succeed at once
     assert not alive
-    node1.kill()  # no handler runs: node 0 only learns of it from the missing heartbeat
-    _, err0 = node0.communicate(timeout=20)
-    assert node0.returncode == 1, err0
-    assert "node 1 (host" in err0 and "vanished: its launcher sent no heartbeat for 1.5 s" in err0
+    nodes[2].kill()  # no handler runs: node 0 only learns of it from the missing heartbeat
+    for node in nodes[:2]:  # node 1 hears it from node 0
+        _, err = node.communicate(timeout=20)
+        assert node.returncode == 1, err
+        assert "node 2 (host" in err and "vanished: its launcher sent no heartbeat for 1.5 s" in err
     pids = job.pids()
-    assert len(pids) == 6  # four workers and node 1's grandchildren
+    assert len(pids) == 4  # three workers and node 2's grandchild
     assert_all_gone(pids)
 
 
 @pytest.mark.timeout(60)
 def test_node_0_vanishing_stops_node_1_with_one_line_and_no_cpp_trace(job, tmp_path):
-    node0, node1 = job.start_two_nodes(WORKER, str(tmp_path), "block")
+    node0, node1 = job.start_nodes(WORKER, str(tmp_path), "block")
     job.wait_for_files("pids_*.json", 4)
     node0.kill()
     _, err1 = node1.communicate(timeout=30)

@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
-from ddpkit.launch.node_watch import NodeWatch, launcher_store, wait_reachable
+from ddpkit.launch.node_watch import NodeWatch, failure_key, launcher_store, read_key, wait_reachable
 from ddpkit.launch.rendezvous import Layout
 
 __all__ = ["NodeRendezvous"]
 
 _POLL = 0.05
 _VERBS = {"joined": "join", "arrived": "arrive"}
-_ACK_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the rendezvous ended
+_READ_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the job ended
 
 
 class NodeRendezvous:
@@ -43,6 +43,7 @@ class NodeRendezvous:
         self._store: dist.Store | None = None
         self._watch: NodeWatch | None = None
         self._registered = False
+        self._attempt: int | None = None
 
     # ---------------------------------------------------------------------------------------- join
     def join(self, abort: Callable[[], bool]) -> Layout:
@@ -147,7 +148,7 @@ class NodeRendezvous:
     def _acknowledge(self) -> None:
         # node 0 keeps its store open until every registered node has read the abort
         if self._registered and self._config.node_rank != 0:
-            self._store.add("abort/acks", 1)  # type: ignore[union-attr]
+            self._store.add(read_key("abort"), 1)  # type: ignore[union-attr]
 
     def _missing_message(self, what: str, verb: str, marker: str) -> str:
         cfg, store = self._config, self._store
@@ -185,7 +186,8 @@ class NodeRendezvous:
             store.add(f"attempt/{attempt}/arrived", 1)
             self._wait_all(f"attempt/{attempt}/arrived", f"attempt/{attempt}/arrived/{{}}", deadline,
                            abort, what, "arrived")
-        watch.follow(f"attempt/{attempt}/failed")
+        self._attempt = attempt
+        watch.follow(failure_key(attempt))
         return cfg.master_addr, cfg.master_port
 
     def report_failure(self, attempt: int, info: dict) -> None:
@@ -194,7 +196,7 @@ class NodeRendezvous:
         try:
             if self._store.add(f"attempt/{attempt}/failures", 1) == 1:
                 info = {**info, "from": self._config.node_rank}
-                self._store.set(f"attempt/{attempt}/failed", json.dumps(info))
+                self._store.set(failure_key(attempt), json.dumps(info))
         except (RuntimeError, OSError):
             pass  # node 0 is gone: the other nodes lose the store and stop anyway
 
@@ -203,15 +205,22 @@ class NodeRendezvous:
         watch = self._watch
         if watch is None:
             return None
-        if watch.lost is not None:
-            return watch.lost
         info = watch.failure
-        if info is not None and info.get("from") == self._config.node_rank:
-            return None  # our own report, already handled
-        return info
+        if info is not None and info.get("from") != self._config.node_rank:
+            return info  # before a lost node 0: it may have closed its store after telling us why
+        return watch.lost
 
     def finish_attempt(self, attempt: int, abort: Callable[[], bool]) -> dict | None:
         """After local success: wait until every node finished, or return another node's failure."""
+        try:
+            return self._finish_attempt(attempt, abort)
+        except RuntimeError:
+            remote = self.remote_failure()  # node 0 said why before its store went away
+            if remote is not None and "from" in remote:
+                return remote
+            raise
+
+    def _finish_attempt(self, attempt: int, abort: Callable[[], bool]) -> dict | None:
         cfg, store = self._config, self._store
         assert store is not None
         with self._node0_alive(f"finish attempt {attempt}"):
@@ -233,25 +242,31 @@ class NodeRendezvous:
         return None
 
     def close(self) -> None:
+        lost = None
         if self._watch is not None:
+            lost = self._watch.lost
             self._watch.stop()
             self._watch = None
         if self._server is not None and self._store is not None:
-            self._wait_for_acknowledgements()
+            self._wait_until_read(lost)
         self._store = self._server = None
 
-    def _wait_for_acknowledgements(self) -> None:
-        """Node 0, after an abandoned rendezvous: give every registered node a moment to read why."""
-        store = self._store
+    def _wait_until_read(self, lost: dict | None) -> None:
+        """Node 0, before its store goes: give the other nodes a moment to read why the job ended
+        (an abandoned rendezvous, or the last attempt's failure), so they print it too."""
+        store, cfg = self._store, self._config
         assert store is not None
-        deadline = time.monotonic() + _ACK_WAIT
+        deadline = time.monotonic() + _READ_WAIT
+        gone = 0 if lost is None else 1  # a vanished node reads nothing
         try:
-            if not store.check(["abort"]):
-                return
-            while store.add("abort/acks", 0) < store.add("joined", 0) - 1:
-                if time.monotonic() >= deadline:
-                    return
-                time.sleep(_POLL)
+            notices = [("abort", store.add("joined", 0) - 1 - gone)]
+            if self._attempt is not None:
+                notices.append((failure_key(self._attempt), cfg.nnodes - 1 - gone))
+            for key, readers in notices:
+                if not store.check([key]):
+                    continue
+                while store.add(read_key(key), 0) < readers and time.monotonic() < deadline:
+                    time.sleep(_POLL)
         except (RuntimeError, OSError):
             pass
 

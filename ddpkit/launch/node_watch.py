@@ -1,10 +1,11 @@
 """Watching the other nodes from one node: is every node still there, and has one reported a failure?
 
 A node launcher that is SIGKILLed (or whose host dies) says nothing, so every launcher beats a
-heartbeat on node 0's store (``alive/<node rank>``, a counter) and watches the others' counters: a node
-whose counter stands still for ``--node-timeout`` seconds is lost. Counters, not timestamps, so the
-hosts' clocks need not agree. Node 0's own death is seen sooner, as end-of-file on an idle socket to
-its store.
+heartbeat on node 0's store (``alive/<node rank>``, a counter) and node 0 watches the others'
+counters: a node whose counter stands still for ``--node-timeout`` seconds is lost, and node 0 tells
+the others (one watcher, not one per node: the store's load grows with the nodes, not their square).
+Counters, not timestamps, so the hosts' clocks need not agree. Node 0's own death is seen by every
+node, and sooner, as end-of-file on an idle socket to its store.
 
 Plain sockets are used where they can be, because a TCPStore call that meets a closed connection logs
 a C++ stack trace: the launcher's own one-line messages say what happened instead.
@@ -21,13 +22,22 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["NodeWatch", "wait_reachable", "heartbeat_key", "launcher_store"]
+__all__ = ["NodeWatch", "wait_reachable", "heartbeat_key", "failure_key", "read_key", "launcher_store"]
 
 _TICK = 0.1
 
 
 def heartbeat_key(node_rank: int) -> str:
     return f"alive/{node_rank}"
+
+
+def failure_key(attempt: int) -> str:
+    return f"attempt/{attempt}/failed"
+
+
+def read_key(key: str) -> str:
+    """Counts the nodes other than node 0 that have read ``key``: node 0 keeps its store up for them."""
+    return f"{key}/read"
 
 
 def launcher_store(host: str, port: int, timeout: timedelta) -> dist.Store:
@@ -63,8 +73,9 @@ class NodeWatch:
     """A thread on its own connection to node 0's store, for as long as this node is in the job.
 
     ``lost`` becomes ``{"node": R, "lost": why}`` when node R stops answering (node 0: its store
-    closed; another node: its heartbeat stood still for ``node_timeout`` s). ``failure`` becomes the
-    failure report published under the key given to ``follow`` (the current attempt's).
+    closed; another node, seen on node 0 only: its heartbeat stood still for ``node_timeout`` s).
+    ``failure`` becomes the failure report published under the key given to ``follow`` (the
+    current attempt's).
     """
 
     def __init__(self, host: str, port: int, node_rank: int, nnodes: int, node_timeout: float):
@@ -107,7 +118,8 @@ class NodeWatch:
                 if now >= next_beat:
                     next_beat = now + self._beat_every
                     self._store.add(heartbeat_key(self._node_rank), 1)
-                    self._check_heartbeats(seen, now)
+                    if self._node_rank == 0:
+                        self._check_heartbeats(seen, now)
         except (RuntimeError, OSError) as e:
             self._lose(0, f"lost the connection to node 0's rendezvous store ({e}): node 0's "
                        "launcher exited or is unreachable")
@@ -124,6 +136,8 @@ class NodeWatch:
         with self._lock:
             if self._key == key:
                 self.failure = info
+        if self._node_rank != 0:
+            self._store.add(read_key(key), 1)  # only now may node 0 close its store
 
     def _check_heartbeats(self, seen: dict[int, tuple[int, float]], now: float) -> None:
         for rank in range(self._nnodes):

@@ -91,14 +91,7 @@ class Supervisor:
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
-            # tell the other nodes first: they stop their workers while this node stops its own
-            if outcome.kind == "failed":
-                self.rendezvous.report_failure(attempt, failure_info(outcome.failed, self.config.node_rank))
-            elif outcome.kind == "signal":
-                self.rendezvous.report_failure(attempt, {"node": self.config.node_rank,
-                                                         "signal": self.stop_signal.name})
-            elif outcome.kind == "remote" and "lost" in outcome.remote:
-                self.rendezvous.report_failure(attempt, outcome.remote)  # the others stop now too
+            self.tell_other_nodes(attempt, outcome)  # first: they stop theirs while we stop ours
         finally:
             self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
         if outcome.kind == "failed":
@@ -112,13 +105,28 @@ class Supervisor:
                 outcome = Outcome("remote", remote.get("code") or 1, remote=remote)
             elif self.stop_signal is not None:
                 outcome = Outcome("signal", 128 + self.stop_signal)
-            else:
+            self.tell_other_nodes(attempt, outcome)
+            if outcome.kind == "signal":
+                _say(f"received {self.stop_signal.name} while waiting for the other nodes to finish")
+            elif outcome.kind == "succeeded":
                 count = len(self._workers)
                 _say(f"{'all ' if count > 1 else ''}{count} worker{'s' if count > 1 else ''} on node "
                      f"{self.config.node_rank} succeeded")
         if outcome.kind == "remote":
             _say(remote_summary(outcome.remote, self._workers).removeprefix("ddpkit run: "))
         return outcome
+
+    def tell_other_nodes(self, attempt: int, outcome: Outcome) -> None:
+        """Publish why this node's attempt ends, unless it succeeded or another node said it first."""
+        if outcome.kind == "failed":
+            info = failure_info(outcome.failed, self.config.node_rank)
+        elif outcome.kind == "signal":
+            info = {"node": self.config.node_rank, "signal": self.stop_signal.name}
+        elif outcome.kind == "remote" and "lost" in outcome.remote:
+            info = outcome.remote  # only node 0 watches the heartbeats: the others learn it here
+        else:
+            return
+        self.rendezvous.report_failure(attempt, info)
 
     def start_workers(self, attempt: int, layout: Layout, master_addr: str,
                       master_port: int) -> None:
