@@ -24,6 +24,7 @@ from ddpkit.launch.signals import SignalInbox
 from ddpkit.launch.summary import failure_summary
 from ddpkit.launch.supervisor import Supervisor
 from ddpkit.launch.watchdog import _SCAN_EVERY as _WATCHDOG_SCAN
+from ddpkit.launch.watchdog import TOKEN_VARIABLE, _processes, marked
 from ddpkit.launch.workers import Placement, spawn_worker
 from ranks import kill_tree
 
@@ -80,7 +81,7 @@ class Job:
         pids = set()
         for path in glob.glob(str(self.out / "pids_*.json")):
             record = json.loads(Path(path).read_text())
-            pids.update(p for p in (record["pid"], record["child"]) if p)
+            pids.update(p for p in (record["pid"], record["child"], record.get("daemon")) if p)
         return pids
 
     def wait_for_files(self, pattern: str, count: int, timeout: float = 30) -> None:
@@ -421,13 +422,29 @@ def test_launcher_killed_with_sigkill_leaves_no_daemon_a_worker_started(job, tmp
     launcher = job.start("--nproc-per-node", "1", WORKER, str(tmp_path), "detached")
     job.wait_for_files("pids_*.json", 1)
     pids = job.pids()
-    assert len(pids) == 2
-    # the watchdog records the workers' descendants once a second and announces nothing: a daemon
-    # (its own session) is only found by such a record, so let two of them pass
+    assert len(pids) == 3
+    # one daemon carries the watchdog's token in its environment; the other, with an empty
+    # environment, is only found by the watchdog's record of the workers' descendants, taken once a
+    # second and announced nowhere: let two of them pass
     time.sleep(2 * _WATCHDOG_SCAN)
     launcher.kill()
     launcher.communicate(timeout=10)
     assert_all_gone(pids)
+
+
+@pytest.mark.timeout(30)
+def test_the_watchdog_finds_the_processes_its_token_marks():
+    token = "test-token"
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    marked_proc = subprocess.Popen(sleep, env={**os.environ, TOKEN_VARIABLE: token})
+    other = subprocess.Popen(sleep, env={**os.environ, TOKEN_VARIABLE: "another job"})
+    try:
+        found = marked(token, _processes())
+        assert marked_proc.pid in found and other.pid not in found
+    finally:
+        for proc in (marked_proc, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(60)

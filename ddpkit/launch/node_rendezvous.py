@@ -5,9 +5,10 @@ connects to it, checks it agrees with node 0 on --nnodes, registers, and waits f
 Each attempt starts when every node has arrived at it. As in torchrun, the workers use the same store
 (MASTER_PORT is --master-port, so only that port must be open between nodes); the launchers' keys
 live under ``ddpkit-run/``, and ``ddpkit.init`` keeps each attempt's keys apart. A node whose workers
-fail publishes the failure, and every node stops its own. A node that gives up (a missing node, a vanished one, a disagreement) leaves the reason under
-``abort``, so every node prints the same message, and node 0 keeps its store open until the others
-have read it. ``NodeWatch`` beats this node's heartbeat and notices a vanished node.
+fail publishes the failure, and every node stops its own. A node that gives up (a missing node, a
+vanished one, a disagreement) leaves the reason under ``abort``, so every node prints the same
+message; node 0 keeps its store open until the others have read the last such message or failure.
+``NodeWatch`` beats this node's heartbeat; node 0's notices a vanished node.
 """
 from __future__ import annotations
 

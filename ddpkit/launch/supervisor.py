@@ -20,7 +20,7 @@ from ddpkit.launch.node_rendezvous import NodeRendezvous
 from ddpkit.launch.rendezvous import Layout, LocalRendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
-from ddpkit.launch.watchdog import Watchdog
+from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
 from ddpkit.launch.workers import (Placement, Worker, exit_code, kill_leftovers, signal_worker,
                                    spawn_worker, worker_env)
 
@@ -138,6 +138,8 @@ class Supervisor:
             env = worker_env(self.environ, place, master_addr=master_addr, master_port=master_port,
                              attempt=attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
                              role=cfg.role)
+            if self._watchdog is not None:
+                env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
             log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None
             workers.append(spawn_worker(cfg.command, env, place, log))
             if self._watchdog is not None:

@@ -3,12 +3,12 @@
 A SIGKILLed launcher runs no code. Its workers die by their parent-death signal, but their own children
 (DataLoader workers, shell pipelines, servers a script started) would live on as orphans. So the
 launcher starts this tiny stdlib-only process, in a session of its own, and tells it each worker's pid
-through a pipe. Every second it also records every descendant of the workers, with its start time:
-a child that left the worker's session (``start_new_session=True``, a daemon) is found that way.
-When the pipe closes without a final ``exit`` line, the launcher is gone: the watchdog SIGKILLs every
-process still in a worker's session and every recorded descendant still running (same pid, same start
-time, so never a stranger that reuses a pid), then exits. A descendant started less than a second
-before the launcher died can escape it if it also left the session.
+through a pipe. When the pipe closes without a final ``exit`` line, the launcher is gone: the watchdog
+SIGKILLs every process still in a worker's session, every process whose environment carries this
+launcher's token (``DDPKIT_WATCHDOG_TOKEN``, which the workers and their children inherit), and every
+descendant of the workers it recorded (it records them, with their start times, once a second: that
+finds a daemon that left the session and cleared its environment, unless it started in the last
+second). A recorded pid is killed only if it still has the same start time, never a stranger's.
 """
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
-__all__ = ["Watchdog", "kill_sessions"]
+__all__ = ["Watchdog", "kill_sessions", "marked", "TOKEN_VARIABLE"]
+
+TOKEN_VARIABLE = "DDPKIT_WATCHDOG_TOKEN"
 
 
 class Watchdog:
@@ -27,10 +30,11 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
+        self.token = uuid.uuid4().hex  # give it to the workers as TOKEN_VARIABLE
         try:
             # -I: the standard library only, nothing from this directory or site-packages
             self._process = subprocess.Popen(
-                [sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                [sys.executable, "-I", os.path.abspath(__file__), self.token], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, start_new_session=True, text=True)
         except OSError:
             self._process = None  # not fatal: only a SIGKILLed launcher would need it
@@ -101,13 +105,31 @@ def _descendants(roots: dict[int, int], table: dict[int, tuple[int, int, int]]) 
     return found
 
 
-def kill_sessions(sessions: set[int], also: dict[int, int] | None = None) -> None:
-    """SIGKILL every process in these sessions, and each of ``also`` (pid -> start time) that is
-    still the same process, again until none is left (a dying parent may fork)."""
+def marked(token: str, table: dict[int, tuple[int, int, int]]) -> dict[int, int]:
+    """The processes whose environment holds ``TOKEN_VARIABLE=token``: pid -> start time."""
+    mark = f"{TOKEN_VARIABLE}={token}".encode()
+    found = {}
+    for pid, (_, _, start) in table.items():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found[pid] = start
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def kill_sessions(sessions: set[int], also: dict[int, int] | None = None,
+                  token: str | None = None) -> None:
+    """SIGKILL every process in these sessions, each of ``also`` (pid -> start time) that is still the
+    same process, and those ``marked`` with ``token``, again until none is left (a dying parent may
+    fork)."""
     also = dict(also or {})
     for _ in range(10):
         table = _processes()
         doomed = [pid for pid, (_, session, _) in table.items() if session in sessions]
+        if token:
+            doomed += marked(token, table)
         # a recorded process's children go too: started since the last record, or re-parented
         doomed += _descendants(also, table)
         if not doomed:
@@ -141,7 +163,7 @@ def _main() -> None:
         if time.monotonic() >= next_scan:
             recorded = _descendants(recorded, _processes())  # the gone are forgotten
             next_scan = time.monotonic() + _SCAN_EVERY
-    kill_sessions(sessions, recorded)
+    kill_sessions(sessions, recorded, sys.argv[1] if len(sys.argv) > 1 else None)
 
 
 def _start_time(pid: int) -> int:

@@ -2,8 +2,8 @@
 
     python tests/scripts/launch_worker.py OUT_DIR MODE [ARGS...]
 
-Every rank first writes ``OUT_DIR/pids_<rank>_<attempt>.json`` ({"pid": ..., "child": ...}) so the test
-knows every process of the job. Modes:
+Every rank first writes ``OUT_DIR/pids_<rank>_<attempt>.json`` ({"pid": ..., "child": ..., "daemon": ...})
+so the test knows every process of the job. Modes:
 
 - ``allreduce``: ddpkit.init(backend="gloo"), all-reduce rank + 1, write
   ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables and this
@@ -16,8 +16,8 @@ knows every process of the job. Modes:
 - ``stdin``: read a line with input() and write it to ``OUT_DIR/result_<rank>.json``.
 - ``progress``: write a progress line ending in no newline ("\\rprogress 1/2"), wait for a line on
   stdin, write 100,000 x without a newline, wait for another line, then "\\rprogress 2/2\\n".
-- ``detached``: as ``block``, but the grandchild is a daemon in a session of its own that ignores
-  SIGTERM and SIGHUP.
+- ``detached``: as ``block``, but with two daemons (sessions of their own, deaf to SIGTERM and
+  SIGHUP) in place of the grandchild: ``child`` inherits the environment, ``daemon`` gets an empty one.
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
 Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
@@ -44,15 +44,17 @@ def _write(path: str, data: dict) -> None:
     os.replace(tmp, path)  # the test polls for the file: it must appear complete
 
 
-def _record(out: str, rank: int, attempt: str, child: int | None = None) -> None:
-    _write(os.path.join(out, f"pids_{rank}_{attempt}.json"), {"pid": os.getpid(), "child": child})
+def _record(out: str, rank: int, attempt: str, child: int | None = None,
+            daemon: int | None = None) -> None:
+    _write(os.path.join(out, f"pids_{rank}_{attempt}.json"),
+           {"pid": os.getpid(), "child": child, "daemon": daemon})
 
 
-def _grandchild(detached: bool = False) -> int:
+def _grandchild(detached: bool = False, env: dict[str, str] | None = None) -> int:
     if detached:  # a daemon: a session of its own, deaf to SIGTERM and SIGHUP
         code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "signal.signal(signal.SIGHUP, signal.SIG_IGN); time.sleep(600)")
-        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True).pid
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, env=env).pid
     # no new session: it stays in the worker's process group, as a DataLoader worker would
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]).pid
 
@@ -70,9 +72,10 @@ def main() -> None:
     if mode == "block-on-node":
         mode = "block" if os.environ["GROUP_RANK"] == args[0] else "succeed"
     child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
-    if mode == "detached":
-        child, mode = _grandchild(detached=True), "block"
-    _record(out, rank, attempt, child)
+    daemon = None
+    if mode == "detached":  # one inherits the environment, one starts with an empty one
+        child, daemon, mode = _grandchild(detached=True), _grandchild(detached=True, env={}), "block"
+    _record(out, rank, attempt, child, daemon)
     print(f"rank {rank} started", flush=True)
 
     if mode == "allreduce":
