@@ -50,8 +50,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                  static_graph: bool = False):
         super().__init__()
         JoinSupport.__init__(self)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
         self.module = module
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
@@ -66,6 +64,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
         local_error: Exception | None = None
         try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce()
             self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
             self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb)
@@ -75,8 +75,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             self._verify_same_parameters(local_error)
         if local_error is not None:
             raise local_error
-        # listed once, as torch does: walking the module tree each forward costs ~1 ms at 400 modules
-        self._buffers_to_sync = list(module.buffers())
+        # whether there are buffers at all: walking the module tree each forward costs ~1 ms at 400
+        # modules, so a model without buffers is not walked again
+        self._has_buffers = any(True for _ in module.buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:
             self._broadcast_states(src=0, buffers=broadcast_buffers)
@@ -121,8 +122,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         A rank whose own arguments were refused (``local_error``) says so through the same
         collective, so that the others raise too instead of waiting for it.
         """
-        mine = [(n, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.requires_grad)
-                for n, t in self._states(buffers=self.broadcast_buffers)]
+        mine = [] if local_error is not None else [
+            (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+             t.requires_grad if isinstance(t, nn.Parameter) else None)  # None: a buffer
+            for n, t in self._states(buffers=self.broadcast_buffers)]
         shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
         gathered = all_gather_object(shared, group=self.process_group)
         failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
@@ -225,12 +228,19 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     # ---- buffers -------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
-        return self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers_to_sync)
+        return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
 
     def _sync_buffers(self, active: bool) -> None:
-        """Broadcast buffers from rank 0, or under join from the highest rank still active."""
+        """Broadcast buffers from rank 0, or under join from the highest rank still active.
+
+        Read afresh each time, as torch does: a module may replace a buffer out of place. The copy
+        keeps the buffers' autograd versions, as torch's does: a graph of an earlier forward of
+        this iteration (two forwards, one backward) may have saved them.
+        """
         src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
-        _broadcast_coalesced(self._buffers_to_sync, src, self.process_group)
+        buffers = list(self.module.buffers())
+        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            _broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- options -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -284,7 +294,7 @@ def _as_device(device: int | str | torch.device, device_type: str) -> torch.devi
 def _first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
     def describe(entry: tuple, r: int) -> str:
         name, shape, dtype, requires_grad = entry
-        frozen = "" if requires_grad else ", requires_grad=False"
+        frozen = ", requires_grad=False" if requires_grad is False else ""
         return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
 
     for i, (a, b) in enumerate(zip(ref, other)):

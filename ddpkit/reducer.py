@@ -52,7 +52,7 @@ class Reducer:
         self.comm_state: Any = None
         self._cap, self._first_cap = cap_bytes, first_cap_bytes
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
-        self._build(list(reversed(range(len(self.params)))))
+        self._build(list(reversed(range(len(self.params)))), registration_order=True)
         # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
         # change from one iteration to the next (find_unused_parameters without static_graph).
         self._rebuilt = find_unused_parameters and not static_graph
@@ -64,15 +64,22 @@ class Reducer:
         self._join_work = None
         self._expecting = self._finalized = False
         self._window_start = 1  # the first forward of the iteration being prepared
+        self._used_locally = [False] * len(self.params)  # got a gradient in a no_sync step
         self._deferred_unused: list[int] | None = None  # marked ready at the first gradient hook
         self._reset_iteration()
         self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
                          for i, p in enumerate(self.params)]
 
     # ---- buckets -------------------------------------------------------------------------------
-    def _build(self, order: list[int]) -> None:
-        """(Re)create the buckets walking ``order``; the last one carries the status flag."""
+    def _build(self, order: list[int], registration_order: bool = False) -> None:
+        """(Re)create the buckets walking ``order``; the last one carries the status flag.
+
+        ``registration_order``: list each bucket's parameters as the module registers them, as
+        torch's buckets do before their rebuild (a comm hook sees that order).
+        """
         groups = assign_buckets(self.params, order, self._cap, self._first_cap)
+        if registration_order:
+            groups = [sorted(indices) for indices in groups]
         last = len(groups) - 1
         self.buckets = [Bucket(k, [self.params[i] for i in idx], idx, k == last, extra=int(k == last))
                         for k, idx in enumerate(groups)]
@@ -178,7 +185,14 @@ class Reducer:
             if self._finalized:
                 self._finalized = False
                 raise late_gradient_error(self.rank, self.names[index])
+            if self.find_unused:  # a local step (no_sync): torch counts this parameter as used
+                self._used_locally[index] = True
             return
+        if not self._callback_queued:  # the first gradient of this backward
+            self._callback_queued = True
+            queue_end_of_backward_callback(self.finalize_backward)
+            if self._deferred_unused:  # before counting this one, which may be among them
+                self._mark_unused(self._deferred_unused)
         ready = self._ready
         if ready[index]:
             raise second_gradient_error(self.rank, self.names[index], self._used[index])
@@ -188,12 +202,6 @@ class Reducer:
         b = self._bucket_of[index]
         pending = self._pending
         left = pending[b] = pending[b] - 1
-        if not self._callback_queued:  # the first gradient of this backward
-            self._callback_queued = True
-            queue_end_of_backward_callback(self.finalize_backward)
-            if self._deferred_unused:
-                self._mark_unused(self._deferred_unused)  # launches what is complete
-                return
         if not left and b == self._next_bucket:
             self._launch_ready_buckets()
 
@@ -291,6 +299,7 @@ class Reducer:
         """The collective after the buckets: used-map, or status flag when a comm hook hides ours."""
         if self._tolerant:
             used = torch.tensor([0] * len(self.params) if shadow else self._used, dtype=torch.int32)
+            used |= torch.tensor(self._used_locally, dtype=torch.int32)  # gradients of no_sync steps
             return used, dist.all_reduce(used, group=self.group, async_op=True)
         if self.comm_hook is not None:
             status = torch.tensor([int(missing)], dtype=torch.int32)
@@ -344,5 +353,7 @@ class Reducer:
     def _end_iteration(self, counted: bool = True) -> None:
         self._expecting = False
         self._deferred_unused = None
+        if counted:
+            self._used_locally = [False] * len(self.params)
         self.iterations += counted
         self._reset_iteration()

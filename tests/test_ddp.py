@@ -64,6 +64,20 @@ class Reordered(nn.Module):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
 
 
+class MovingAverage(nn.Module):
+    """Replaces its buffer out of place in forward (``self.avg = ...``), as many EMA codes do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(IN, 3)
+        self.register_buffer("avg", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        return y - self.avg
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -73,6 +87,8 @@ def _model(name: str) -> nn.Module:
         return Unused()
     if name == "reordered":
         return Reordered()
+    if name == "moving_average":
+        return MovingAverage()
     if name == "wide":  # several buckets at the default cap, mixed with tiny tensors
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
     raise ValueError(name)
@@ -108,14 +124,17 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
         for step in range(steps):
             x = torch.randn(5, IN, generator=data) + rank
             local = cfg.get("accumulate") and step % 3 != 2
+            if cfg.get("some_only_in_local_steps"):
+                forward_kwargs = {"use_some": bool(local)}
             if local and cfg["accumulate"] == "attribute":
                 ddp.require_backward_grad_sync = False
             with ddp.no_sync() if local and cfg["accumulate"] == "no_sync" else contextlib.nullcontext():
                 if cfg.get("discarded_forward"):  # e.g. evaluation without torch.no_grad()
                     ddp(x + 1, **forward_kwargs)
-                loss = ddp(x, **forward_kwargs).square().mean()
+                out = ddp(x, **forward_kwargs)
                 if cfg.get("two_forwards"):  # a siamese loss: two forwards, one backward
-                    loss = loss + ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {})).mean()
+                    out = out - ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {}))
+                loss = out.square().mean()
                 if cfg.get("zero_grad_after_forward"):  # pytorch/examples' ImageNet order
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
                 loss.backward()
@@ -176,6 +195,11 @@ CONFIGS = {
     "two_forwards_find_unused": {"model": "unused", "two_forwards": {"use_some": False},
                                  "kwargs": {"find_unused_parameters": True}},
     "discarded_forward": {"discarded_forward": True, "model": "bn"},
+    "two_forwards_batchnorm": {"two_forwards": {}, "model": "bn"},
+    "find_unused_branch_used_only_in_no_sync": {"model": "unused", "accumulate": "no_sync", "steps": 6,
+                                                "some_only_in_local_steps": True,
+                                                "kwargs": {"find_unused_parameters": True}},
+    "buffer_replaced_out_of_place": {"model": "moving_average"},
     "discarded_forward_find_unused": {"discarded_forward": True, "model": "unused",
                                       "kwargs": {"find_unused_parameters": True}},
     "join_uneven": {"uneven": True},

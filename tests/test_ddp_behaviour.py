@@ -33,7 +33,7 @@ class _Branchy(nn.Module):
 def _error_of(fn) -> str | None:
     try:
         fn()
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         return str(e)
     return None
 
@@ -45,6 +45,7 @@ def _misuse_worker() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     out["shape"] = _error_of(lambda: ddpkit.DDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 + rank))))
     out["count"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2 + rank)))
+    out["not_a_module"] = _error_of(lambda: ddpkit.DDP(_mlp() if rank == 0 else "model"))
     partly_frozen = _mlp(4, 2)
     partly_frozen[0].requires_grad_(rank == 0)
     out["frozen"] = _error_of(lambda: ddpkit.DDP(partly_frozen))
@@ -128,6 +129,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert "rank 0 has '0.weight' with shape [4, 4] (float32), rank 1 has '0.weight' with shape " \
                "[4, 4] (float32, requires_grad=False)" in out["frozen"], out["frozen"]
         assert "doesn't have any parameter that requires a gradient" in out["frozen_here"]
+        assert "DistributedDataParallel wraps a torch.nn.Module, got str" in out["not_a_module"]
         if rank == 0:
             assert out["frozen_here"].startswith("DistributedDataParallel could not be built on rank 1")
         for key in ("unused_here", "unused_hook"):
@@ -272,6 +274,55 @@ def test_torchs_powersgd_hook_trains_like_torch():
     for grads in run_ranks(_powersgd_worker, 2, timeout=60):
         for mine, ref in zip(grads["ddpkit"], grads["torch"]):
             torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
+
+
+def _siamese_batchnorm_worker() -> dict[str, list[torch.Tensor]]:
+    rank, params = torch.distributed.get_rank(), {}
+    for kind, cls in (("ddpkit", ddpkit.DDP), ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp = cls(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):  # two forwards, one backward: rank 0's buffers are broadcast in between
+            a, b = ddp(torch.randn(4, 6, generator=data) + rank), ddp(torch.randn(4, 6, generator=data))
+            (a - b).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        params[kind] = [p.detach() for p in ddp.parameters()]
+    return params
+
+
+@pytest.mark.timeout(60)
+def test_two_forwards_through_batchnorm_train_like_torch():
+    """The buffer broadcast before the second forward must keep the buffers' autograd versions."""
+    for params in run_ranks(_siamese_batchnorm_worker, 2):
+        for mine, ref in zip(params["ddpkit"], params["torch"]):
+            torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
+
+
+class _SidePath(nn.Module):
+    """``aux`` is unreachable from the output, yet the loss may reach it from outside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.aux = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def _side_path_worker(side_first: bool) -> str | None:
+    ddp = ddpkit.DDP(_SidePath(), find_unused_parameters=True)
+    out, side = ddp(torch.ones(2, 4)).sum(), ddp.module.aux.weight.sum()
+    return _error_of(lambda: (side + out if side_first else out + side).backward())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("side_first", [True, False], ids=["side_gradient_first", "side_gradient_last"])
+def test_a_gradient_for_a_parameter_the_output_cannot_reach_is_named_whatever_the_order(side_first):
+    for error in run_ranks(_side_path_worker, 2, args=(side_first,)):
+        assert error is not None and "parameter 'aux.weight' received a gradient, but the forward's " \
+                                      "output has no autograd path to it" in error
 
 
 def _python_context_seen_by_collectives() -> tuple[bool, list[bool]]:
