@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import sys
 import time
 from typing import Any, Generic, Iterable, Iterator, TextIO, TypeVar
 
 from ddpkit.process_group import get_rank
 
-__all__ = ["print", "get_logger", "progress", "Progress"]
+__all__ = ["print", "get_logger", "progress", "Progress", "TERMINAL_VARIABLE"]
+
+TERMINAL_VARIABLE = "DDPKIT_TERMINAL"
+"""Set to 1 by ``ddpkit run`` for workers whose stderr it relays to a terminal."""
 
 T = TypeVar("T")
 
@@ -77,7 +81,7 @@ class Progress(Generic[T]):
         self.interval = interval
         self._width = 0  # of the line on screen
         if disable is None:
-            disable = get_rank() != 0 or not _isatty(self.file)
+            disable = get_rank() != 0 or not _reaches_a_terminal(self.file)
         self.disable = disable
 
     def __len__(self) -> int:
@@ -128,6 +132,11 @@ def _length(iterable: Iterable[Any]) -> int | None:
         return len(iterable)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _reaches_a_terminal(file: TextIO) -> bool:
+    """A terminal, or stderr relayed to one by ``ddpkit run`` (which sets DDPKIT_TERMINAL=1)."""
+    return _isatty(file) or (file is sys.stderr and os.environ.get(TERMINAL_VARIABLE) == "1")
 
 
 def _isatty(file: TextIO) -> bool:

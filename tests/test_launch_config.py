@@ -130,6 +130,13 @@ def test_worker_env_shares_the_cores_unless_omp_num_threads_is_set():
     assert worker_env({"OMP_NUM_THREADS": "8"}, place, **kw)["OMP_NUM_THREADS"] == "8"
 
 
+def test_workers_hear_whether_the_launchers_stderr_is_a_terminal():
+    place = Placement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1)
+    kw = dict(master_addr="h", master_port=5, attempt=0, max_restarts=0, run_id="r")
+    assert worker_env({}, place, terminal=True, **kw)["DDPKIT_TERMINAL"] == "1"
+    assert "DDPKIT_TERMINAL" not in worker_env({"DDPKIT_TERMINAL": "1"}, place, **kw)  # an outer launcher's
+
+
 def test_exit_descriptions_name_the_signal_and_hint_at_oom():
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(-9).startswith(

@@ -97,3 +97,10 @@ def test_a_shorter_redraw_blanks_what_the_longer_line_left():
     bar._draw(10, elapsed=0.0)  # "10/10 100% " with no rate yet: shorter
     first, second = out.getvalue().split("\r")[1:]
     assert len(second) == len(first) and second.rstrip() == "10/10 100%"
+
+
+@pytest.mark.timeout(10)
+def test_progress_draws_on_stderr_that_ddpkit_run_relays_to_a_terminal(monkeypatch, capsys):
+    monkeypatch.setenv("DDPKIT_TERMINAL", "1")  # what the launcher sets when its stderr is a tty
+    assert list(progress(range(3))) == [0, 1, 2]
+    assert "\r3/3 100%" in capsys.readouterr().err

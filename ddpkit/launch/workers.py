@@ -15,6 +15,7 @@ from typing import Iterable, Mapping
 import psutil
 
 from ddpkit.launch.logs import OutputPump
+from ddpkit.logging import TERMINAL_VARIABLE
 from ddpkit.launch.signals import death_signal_preexec
 
 __all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers",
@@ -34,11 +35,14 @@ class Placement:
 
 
 def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, master_port: int,
-               attempt: int, max_restarts: int, run_id: str, role: str = "default") -> dict[str, str]:
+               attempt: int, max_restarts: int, run_id: str, role: str = "default",
+               terminal: bool = False) -> dict[str, str]:
     """torchrun's worker variables plus ``DDPKIT_LAUNCHER=ddpkit``, on top of ``base``.
 
     OMP_NUM_THREADS defaults to this process's cores shared out between the local workers, unless
     the user set it (torch would otherwise give every worker every core and oversubscribe the node).
+    ``terminal``: the launcher's stderr is a terminal; a worker's is a pipe to it, so it is told
+    through ``DDPKIT_TERMINAL=1`` that what it writes there reaches one (ddpkit's progress line).
     """
     env = dict(base)
     env.update({
@@ -52,6 +56,10 @@ def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, m
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "DDPKIT_LAUNCHER": "ddpkit", "PYTHONUNBUFFERED": "1",
     })
+    if terminal:
+        env[TERMINAL_VARIABLE] = "1"
+    else:
+        env.pop(TERMINAL_VARIABLE, None)
     if not env.get("OMP_NUM_THREADS"):
         try:
             cores = len(os.sched_getaffinity(0))
