@@ -1,17 +1,21 @@
 """The private autograd calls ddpkit makes, in one place, each saying why no public API would do.
 
-DistributedDataParallel's reducer needs two things from a running backward pass that torch offers
-only privately: a callback when the engine has finished (to wait for the all-reduces once), and
-collectives launched without the Python object that backward keeps in C++ thread-local state.
+DistributedDataParallel needs three things that torch offers only privately: a callback when the
+engine has finished a backward pass (to wait for the all-reduces once), collectives launched without
+the Python object that backward keeps in C++ thread-local state, and buffers overwritten by a
+broadcast without bumping their autograd versions.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-__all__ = ["outside_backward_python_context", "queue_end_of_backward_callback"]
+__all__ = ["outside_backward_python_context", "preserving_autograd_versions",
+           "queue_end_of_backward_callback"]
+
+_BACKWARD_STASHES_CONTEXT = hasattr(torch._C, "_is_key_in_tls")
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
@@ -35,8 +39,7 @@ def outside_backward_python_context() -> Iterator[None]:
     dies with "terminate called without an active exception" (a third of two-rank runs did). The
     collectives need nothing from that context, so they are launched without it.
     """
-    stashed = getattr(torch._C, "_is_key_in_tls", None) is not None and torch._C._is_key_in_tls("context")
-    if not stashed:
+    if not (_BACKWARD_STASHES_CONTEXT and torch._C._is_key_in_tls("context")):
         yield
         return
     context = torch._C._get_obj_in_tls("context")
@@ -45,3 +48,14 @@ def outside_backward_python_context() -> Iterator[None]:
         yield
     finally:
         torch._C._stash_obj_in_tls("context", context)
+
+
+def preserving_autograd_versions(tensors: Sequence[torch.Tensor]) -> ContextManager[None]:
+    """Overwrite ``tensors`` in place without bumping their autograd version counters.
+
+    torch's own DDP broadcasts buffers the same way (``_unsafe_preserve_version_counter``): rank 0's
+    buffers replace ours before a forward, and a graph built by an earlier forward of the same
+    iteration (two forwards, one backward) may have saved them; a bumped version would make its
+    backward refuse them, though their values are the ones every rank agrees on.
+    """
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))

@@ -104,8 +104,12 @@ class Bucket:
         self.has_none = False
 
     def zeros_like(self) -> Bucket:
-        """A bucket of the same layout holding zeros: what a joined rank contributes."""
-        return Bucket(self._index, list(self.params), list(self.param_indices), self._is_last,
+        """A bucket of the same layout holding zeros: what a joined rank contributes.
+
+        Built from the parameters in the order given, so a comm hook sees them as on active ranks.
+        """
+        given = [self.param_indices[pos] for pos in self._given_order]
+        return Bucket(self._index, self.parameters(), given, self._is_last,
                       extra=self.flat.numel() - self.numel)
 
     # ---- torch's GradBucket interface, for comm hooks ----
@@ -121,7 +125,8 @@ class Bucket:
         return self._is_last
 
     def parameters(self) -> list[torch.Tensor]:
-        """The bucket's parameters in gradient-ready order, as torch's GradBucket lists them."""
+        """The bucket's parameters as torch's GradBucket lists them: in registration order until
+        the buckets are rebuilt after the first iteration, then in gradient-ready order."""
         return [self.params[pos] for pos in self._given_order]
 
     def gradients(self) -> list[torch.Tensor]:

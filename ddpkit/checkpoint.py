@@ -131,9 +131,21 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def _permissions_of_a_new_file(fd: int) -> None:
     """mkstemp makes the file private (0600); a checkpoint gets what torch.save's open() gives."""
     if hasattr(os, "fchmod"):
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
+        os.fchmod(fd, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask would, for every thread, briefly)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)  # no /proc: the one way there is
+    os.umask(umask)
+    return umask
 
 
 def _fsync_directory(directory: Path) -> None:

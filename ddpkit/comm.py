@@ -116,7 +116,7 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
 def _check_src(src: int, group) -> int:
     """The group's size, once ``src`` is known to be one of its (global) ranks."""
     world_size = _world_size(group)
-    members = list(range(world_size)) if group is None or world_size == 1 else dist.get_process_group_ranks(group)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     if isinstance(src, bool) or not isinstance(src, int) or src not in members:
         raise ValueError(f"src={src!r} is not a rank of this group (its ranks are {members}). HINT: src "
                          "is a global rank, as in torch.distributed.broadcast.")

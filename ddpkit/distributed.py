@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
+from ddpkit.autograd_engine import preserving_autograd_versions
 from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
 from ddpkit.comm import all_gather_object
 from ddpkit.join import JoinSupport
@@ -233,13 +234,14 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def _sync_buffers(self, active: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active.
 
-        Read afresh each time, as torch does: a module may replace a buffer out of place. The copy
-        keeps the buffers' autograd versions, as torch's does: a graph of an earlier forward of
-        this iteration (two forwards, one backward) may have saved them.
+        Read afresh each time, as torch does: a module may replace a buffer out of place (an
+        exponential moving average written ``self.avg = ...``); that walk of the module tree is the
+        price of it for models with buffers. The copy keeps the buffers' autograd versions, as
+        torch's does: a graph of an earlier forward of this iteration may have saved them.
         """
         src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
         buffers = list(self.module.buffers())
-        with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+        with preserving_autograd_versions(buffers):
             _broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- options -------------------------------------------------------------------------------

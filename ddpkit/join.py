@@ -113,12 +113,7 @@ def shadow_backward(reducer: Reducer) -> None:
             works.append(dist.all_reduce(zeros.flat, group=reducer.group, async_op=True))
         else:
             works.append(reducer.comm_hook(reducer.comm_state, zeros))
-    if reducer.comm_hook is None:  # the order of Reducer.finalize_backward
-        tail = reducer._launch_tail(False, shadow=True)
-    for work in works:
-        work.wait()
-    if reducer.comm_hook is not None:
-        tail = reducer._launch_tail(False, shadow=True)
+    tail = reducer.wait_with_tail(lambda: [work.wait() for work in works], False, shadow=True)
     if tail is not None:
         tail[1].wait()
         failed = not reducer._tolerant and int(tail[0].item())

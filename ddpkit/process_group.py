@@ -217,7 +217,7 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
         try:
             joined = f"only {store.add('arrived', 0)}"
         except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
-            joined = f"rank 0 gave up and closed the store, so not all"
+            joined = "rank 0 gave up and closed the store, so not all"
         raise RuntimeError(
             f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
             f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}). HINT: a rank "

@@ -148,15 +148,14 @@ class Reducer:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach."""
         if not self._expecting:  # the first forward of an iteration
             self._window_start = self.forwards + 1
-            self._deferred_unused = None
         self._expecting, self._finalized = True, False
         self.forwards += 1
         if self.find_unused:
             if self._deferred_unused is None:
                 self._deferred_unused = list(unused)
             else:  # unused only if no forward of this iteration reaches it
-                reached_now = set(range(len(self.params))) - set(unused)
-                self._deferred_unused = [i for i in self._deferred_unused if i not in reached_now]
+                unused_now = set(unused)
+                self._deferred_unused = [i for i in self._deferred_unused if i in unused_now]
         elif self.static_graph and self.iterations > 0:
             self._deferred_unused = self._static_unused
 
@@ -274,12 +273,7 @@ class Reducer:
     def _finalize_backward(self) -> None:
         try:
             missing = self._launch_remaining()
-            if self.comm_hook is None:
-                tail = self._launch_tail(bool(missing))
-                self._wait_buckets()
-            else:  # a hook may issue collectives from its futures' callbacks: ours must come after
-                self._wait_buckets()
-                tail = self._launch_tail(bool(missing))
+            tail = self.wait_with_tail(self._wait_buckets, bool(missing))
             self._check(tail, missing)
             self._write_back()
             self._finalized = True
@@ -294,6 +288,19 @@ class Reducer:
             self.buckets[-1].flag.fill_(1)  # tell every rank, through the last bucket's all-reduce
         self._mark_unused(missing)
         return missing
+
+    def wait_with_tail(self, wait_buckets: Callable[[], None], missing: bool, shadow: bool = False):
+        """Wait for the buckets and launch the tail collective, in the order every rank keeps.
+
+        The tail goes out before the wait, overlapping it; with a comm hook only after, since a
+        hook's futures may issue collectives from their callbacks (torch's PowerSGD does).
+        """
+        if self.comm_hook is None:
+            tail = self._launch_tail(missing, shadow)
+            wait_buckets()
+            return tail
+        wait_buckets()
+        return self._launch_tail(missing, shadow)
 
     def _launch_tail(self, missing: bool, shadow: bool = False):
         """The collective after the buckets: used-map, or status flag when a comm hook hides ours."""
@@ -355,5 +362,5 @@ class Reducer:
         self._deferred_unused = None
         if counted:
             self._used_locally = [False] * len(self.params)
-        self.iterations += counted
+            self.iterations += 1
         self._reset_iteration()

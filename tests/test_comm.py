@@ -162,3 +162,15 @@ def test_object_collectives_need_no_numpy():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "{'a': [1, (2, None)]}"
+
+
+def _broadcast_in_a_group_of_one():
+    group = dist.new_group([1])
+    if ddpkit.get_rank() == 1:
+        return ddpkit.broadcast(torch.tensor([7.0]), src=1, group=group).item()
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_one_takes_its_members_global_rank_as_src():
+    assert run_ranks(_broadcast_in_a_group_of_one, 2) == [None, 7.0]
