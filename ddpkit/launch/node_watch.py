@@ -5,7 +5,8 @@ heartbeat on node 0's store (``alive/<node rank>``, a counter) and node 0 watche
 counters: a node whose counter stands still for ``--node-timeout`` seconds is lost, and node 0 tells
 the others (one watcher, not one per node: the store's load grows with the nodes, not their square).
 Counters, not timestamps, so the hosts' clocks need not agree. Node 0's own death is seen by every
-node, and sooner, as end-of-file on an idle socket to its store.
+node as end-of-file on an idle socket to its store, or, where its host vanished without closing the
+connection, as a store call that gets no answer within ``--node-timeout``.
 
 Plain sockets are used where they can be, because a TCPStore call that meets a closed connection logs
 a C++ stack trace: the launcher's own one-line messages say what happened instead.
@@ -87,7 +88,9 @@ class NodeWatch:
         self._key: str | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._store = launcher_store(host, port, timedelta(seconds=30))
+        # a store call to a host that vanished without closing the connection gives up after the
+        # same --node-timeout that node 0 gives the other nodes
+        self._store = launcher_store(host, port, timedelta(seconds=node_timeout))
         self._store.add(heartbeat_key(node_rank), 1)  # alive from now on, before the thread runs
         self._thread = threading.Thread(target=self._run, name="ddpkit-node-watch", daemon=True)
         self._thread.start()
