@@ -7,7 +7,12 @@ environment detection for torchrun / SLURM / MPI, and a launcher (``ddpkit run``
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
+
+with warnings.catch_warnings():  # torch warns at import when numpy is missing; ddpkit needs none
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401 - imported here, once, under that filter
 
 # Imported eagerly, as torch.nn.parallel does: several modules share their name with the function
 # they export (replicate, parallel_apply, data_parallel, parallelize). Importing them here, once,

@@ -7,6 +7,7 @@ complete says how many ranks arrived and where they were looking.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import time
@@ -38,6 +39,22 @@ _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 # how many groups this process has joined, so that an init() after shutdown() meets on fresh keys.
 _state: dict[str, DistEnv | None] = {"env": None}
 _joined = [0]
+
+_SETTLE_SECONDS = 0.05
+"""How long the exit handler lets collective threads finish their last release (see below)."""
+
+
+def _let_collective_threads_settle() -> None:
+    """At exit, while the interpreter is whole: let Gloo's threads drop what they still hold.
+
+    A Gloo thread releases a finished collective's work, and with it the last reference to tensors
+    whose Python objects torch keeps alive for C++ (or to backward's context), a moment after the
+    collective returns. Should that moment fall inside interpreter finalization, taking the GIL to
+    free them kills the process ("terminate called without an active exception"): a script whose
+    last act is a collective (a checkpoint's broadcast) aborted in a third of two-rank runs.
+    Sleeping releases the GIL to those threads before finalization begins.
+    """
+    time.sleep(_SETTLE_SECONDS)
 
 
 def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistEnv:
@@ -78,6 +95,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
         env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
+        atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs
+        atexit.register(_let_collective_threads_settle)
     _state["env"] = env
     return env
 

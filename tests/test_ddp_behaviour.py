@@ -267,8 +267,58 @@ def _powersgd_worker() -> dict[str, list[torch.Tensor]]:
     return grads
 
 
+def _chained_collective_hook(state, bucket):
+    """Like torch's PowerSGD: a second collective, of another size, issued from a future's callback."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    extra = torch.ones(len(bucket.parameters()) + 2)
+
+    def then_reduce_more(fut):
+        dist.all_reduce(extra)
+        return buffer.add_(extra.sum() - extra.numel() * dist.get_world_size())  # + 0: extra was all ones
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(then_reduce_more)
+
+
+class _SlowBackwardOnRank0(torch.autograd.Function):
+    """Identity; its backward, which runs after every parameter's gradient, lags on rank 0 only.
+
+    So rank 0 reaches the end of backward after its bucket's callback has issued its collective,
+    and rank 1 before: the order in which ddpkit's own collective follows must not depend on that.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.distributed.get_rank() == 0:
+            time.sleep(0.3)  # not synchronisation: the timing difference under test
+        return grad
+
+
+def _chained_hook_worker() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    ddp = ddpkit.DDP(_mlp())  # one bucket: its callback's collective races only ddpkit's own
+    ddp.register_comm_hook(None, _chained_collective_hook)
+    for step in range(3):
+        x = torch.full((2, 8), ddp.rank + step + 1.0, requires_grad=True)
+        ddp(_SlowBackwardOnRank0.apply(x)).square().sum().backward()
+    return [p.grad for p in ddp.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_a_hook_issuing_collectives_from_its_callbacks_keeps_every_rank_in_step():
+    first, second = run_ranks(_chained_hook_worker, 2, timeout=60)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.timeout(90)
 def test_torchs_powersgd_hook_trains_like_torch():
+    pytest.importorskip("numpy", reason="torch's PowerSGD hook imports numpy")
     """PowerSGD all-reduces from its futures' callbacks (ddpkit's own collective must wait for
     them), and compresses the bucket's tensors in the order torch lists them."""
     for grads in run_ranks(_powersgd_worker, 2, timeout=60):
