@@ -128,6 +128,10 @@ class Reducer:
         self._works: list[Any] = []
         self._callback_queued = False
         self._scale: float | None = 1.0 / self.world_size
+        # Let go of the gradients written back: held until the next backward, they outlived
+        # zero_grad(set_to_none=True), a second set of gradients in memory, as torch's DDP doesn't.
+        for bucket in self.buckets:
+            bucket.grads = []
 
     @property
     def _tolerant(self) -> bool:
