@@ -10,14 +10,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Bucket", "assign_buckets", "DEFAULT_FIRST_BUCKET_BYTES", "MIN_TAIL_BUCKET_BYTES",
-           "BIG_PARAM_NUMEL"]
+__all__ = ["Bucket", "assign_buckets", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
-
-MIN_TAIL_BUCKET_BYTES = 4 * 1024 * 1024
-"""Halving stops here: below it one more collective costs more than the exposed traffic it saves."""
 
 BIG_PARAM_NUMEL = 16384
 """From this size on a gradient is scaled into its slot with one ``torch.mul(out=)`` (one pass over
@@ -31,41 +27,27 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
 
     Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
     a bucket closes once it reaches its limit, so a tensor larger than the limit gets a bucket of
-    its own. The first bucket's limit is ``first_cap_bytes`` (torch's small first bucket: the first
-    all-reduce starts early). Where ``first_cap_bytes < cap_bytes`` (the default cap), the later
-    buckets are also kept to about half of the bytes still to come, never below 4 MiB:
-    the last bucket's all-reduce cannot overlap with backward, so the tail is made of ever smaller
-    buckets (4 x 4 MiB layers: 4 | 8 | 4 MiB, exposing 4 MiB of traffic where torch's 4 | 12 exposes
-    12). Buckets are returned in the order in which they are expected to fill.
+    its own. The first bucket of each device and dtype closes at ``first_cap_bytes`` instead
+    (torch's small first bucket: the first all-reduce starts early). Buckets are returned in the
+    order in which they are expected to fill.
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     position = {index: pos for pos, index in enumerate(order)}
-    remaining: dict[tuple, int] = {}
-    for index in order:
-        p = params[index]
-        key = (p.device, p.dtype)
-        remaining[key] = remaining.get(key, 0) + p.numel() * p.element_size()
-    open_buckets: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (indices, bytes, limit)
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}  # (device, dtype) -> (indices, bytes)
+    started: set[tuple] = set()
     buckets: list[list[int]] = []
     for index in order:
         p = params[index]
         key = (p.device, p.dtype)
-        if key not in open_buckets:
-            first = not any(params[b[0]].device == p.device and params[b[0]].dtype == p.dtype
-                            for b in buckets)
-            limit = (first_cap_bytes if first else cap_bytes if first_cap_bytes >= cap_bytes
-                     else max(MIN_TAIL_BUCKET_BYTES, min(cap_bytes, remaining[key] // 2)))
-            open_buckets[key] = ([], 0, limit)
-        indices, size, limit = open_buckets[key]
+        indices, size = open_buckets.pop(key, ([], 0))
         indices.append(index)
         size += p.numel() * p.element_size()
-        remaining[key] -= p.numel() * p.element_size()
-        if size >= limit:
+        if size >= (cap_bytes if key in started else first_cap_bytes):
             buckets.append(indices)
-            del open_buckets[key]
+            started.add(key)
         else:
-            open_buckets[key] = (indices, size, limit)
-    buckets.extend(indices for indices, _, _ in open_buckets.values())
+            open_buckets[key] = (indices, size)
+    buckets.extend(indices for indices, _ in open_buckets.values())
     buckets.sort(key=lambda indices: position[indices[0]])
     return buckets
 

@@ -1,9 +1,12 @@
 """Buckets: the flat buffer, its views, and the order a comm hook sees (torch's GradBucket's)."""
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from ddpkit.bucket import BIG_PARAM_NUMEL, Bucket
+from ddpkit.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, assign_buckets
+from ddpkit.distributed import _bucket_caps
 
 
 def _bucket() -> Bucket:
@@ -26,3 +29,42 @@ def test_a_joined_ranks_zero_bucket_lists_its_parameters_as_the_active_ranks_do(
     assert [p is q for p, q in zip(zeros.parameters(), bucket.parameters())] == [True] * 4
     assert [g.shape for g in zeros.gradients()] == [g.shape for g in bucket.gradients()]
     assert zeros.buffer().count_nonzero() == 0 and zeros.flat.numel() == bucket.flat.numel()
+
+
+# ---- which parameters share a bucket ---------------------------------------------------------------
+
+
+def _tensors(seed: int, count: int = 40) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.float16, torch.float64)
+    return [torch.empty(int(torch.randint(1, 3000, (1,), generator=gen)),
+                        dtype=dtypes[int(torch.randint(0, 3, (1,), generator=gen))])
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("first_cap, cap", [(1024, 8192), (8192, 8192), (100, 100), (5000, 3000)])
+def test_buckets_are_grouped_as_torchs_ddp_groups_them(seed, first_cap, cap):
+    """Reference: torch's own assignment, fed the tensors in gradient-ready order."""
+    params = _tensors(seed)
+    order = torch.randperm(len(params), generator=torch.Generator().manual_seed(seed)).tolist()
+    expected, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [first_cap, cap])
+    assert assign_buckets(params, order, cap, first_cap) == [[order[i] for i in b] for b in expected]
+
+
+def test_a_tensor_over_the_cap_gets_a_bucket_of_its_own():
+    params = [torch.empty(n) for n in (10, 5000, 10, 10)]  # 40 and 20000 bytes
+    assert assign_buckets(params, [3, 2, 1, 0], cap_bytes=100) == [[3, 2, 1], [0]]
+
+
+def test_cpu_buckets_fill_to_the_cap_and_gpu_ones_start_with_torchs_small_first_bucket():
+    mib = 1024 * 1024
+    assert _bucket_caps(None, torch.device("cpu")) == (25 * mib, 25 * mib)
+    assert _bucket_caps(25, torch.device("cpu")) == (25 * mib, 25 * mib)
+    assert _bucket_caps(25, torch.device("cuda", 0)) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    assert _bucket_caps(None, torch.device("cuda", 0)) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    assert _bucket_caps(0.5, torch.device("cuda", 0)) == (mib // 2, mib // 2)  # a cap of the user's own
+    layers = [torch.empty(64 * 64) for _ in range(200)]  # 3.2 MiB in 16 KiB tensors
+    order = list(reversed(range(200)))
+    assert len(assign_buckets(layers, order, *_bucket_caps(None, torch.device("cpu")))) == 1
+    assert [len(b) for b in assign_buckets(layers, order, 25 * mib, DEFAULT_FIRST_BUCKET_BYTES)] == [64, 136]
