@@ -88,6 +88,13 @@ class Reducer:
             for i in b.param_indices:
                 self._bucket_of[i] = b.index()
         self._counts = [len(b.params) for b in self.buckets]
+        # a big gradient is scaled into its slot by its own hook, while still in cache (its copy at
+        # bucket completion cost twice the time); with gradient_as_bucket_view it is already there
+        self._big_slot: list[torch.Tensor | None] = [None] * len(self.params)
+        if not self.as_view:
+            for b in self.buckets:
+                for i, v in zip(b.param_indices[: b.num_big], b.views):
+                    self._big_slot[i] = v
         if self.as_view:  # gradients that exist move into the buckets, as torch does
             with torch.no_grad():
                 for b in self.buckets:
@@ -128,6 +135,7 @@ class Reducer:
         self._works: list[Any] = []
         self._callback_queued = False
         self._scale: float | None = 1.0 / self.world_size
+        self._copied = [False] * n  # big gradients already in their slot
         # Let go of the gradients written back: held until the next backward, they outlived
         # zero_grad(set_to_none=True), a second set of gradients in memory, as torch's DDP doesn't.
         for bucket in self.buckets:
@@ -200,6 +208,11 @@ class Reducer:
         if ready[index]:
             raise second_gradient_error(self.rank, self.names[index], self._used[index])
         ready[index] = True
+        slot = self._big_slot[index]
+        if slot is not None and self._join_work is None:  # else the scale is not known yet
+            with torch.no_grad():
+                self._copy_in(param.grad, slot)
+            self._copied[index] = True
         if self._record is not None:
             self._record.append(index)
         b = self._bucket_of[index]
@@ -237,25 +250,28 @@ class Reducer:
             self._join_work = None
         scale = self._scale if self.comm_hook is None else None
         grads = bucket.grads = [p.grad for p in bucket.params]
-        views, num_big = bucket.views, bucket.num_big
+        views, num_big, indices, copied = bucket.views, bucket.num_big, bucket.param_indices, self._copied
         bucket.has_none = any(g is None for g in grads)
         with torch.no_grad():
             if scale is not None and not self.as_view and not bucket.has_none:  # the common case
                 for k in range(num_big):
-                    torch.mul(grads[k], scale, out=views[k])
+                    if not copied[indices[k]]:
+                        torch.mul(grads[k], scale, out=views[k])
                 if num_big < len(grads):
                     torch._foreach_copy_(views[num_big:], grads[num_big:])
                     bucket.small_region.mul_(scale)
                 return
             copy_src, copy_dst = [], []
             for k, (g, v) in enumerate(zip(grads, views)):
+                if k < num_big and copied[indices[k]]:
+                    continue
                 if g is v:  # gradient_as_bucket_view: already in place
                     if k < num_big and scale is not None:
                         v.mul_(scale)
                 elif g is None:
                     v.zero_()
-                elif k < num_big and scale is not None:
-                    torch.mul(g, scale, out=v)
+                elif k < num_big:
+                    self._copy_in(g, v)
                 else:
                     copy_src.append(g)
                     copy_dst.append(v)
@@ -267,6 +283,13 @@ class Reducer:
             for p, g, v in zip(bucket.params, grads, views):
                 if g is not None and g is not v:
                     p.grad = v
+
+    def _copy_in(self, grad: torch.Tensor, slot: torch.Tensor) -> None:
+        """One pass over a big gradient: scaled into its slot, or copied for a comm hook."""
+        if self.comm_hook is None:
+            torch.mul(grad, self._scale, out=slot)
+        else:
+            slot.copy_(grad)
 
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:

@@ -89,7 +89,7 @@ def _model(name: str) -> nn.Module:
         return Reordered()
     if name == "moving_average":
         return MovingAverage()
-    if name == "wide":  # several buckets at the default cap, mixed with tiny tensors
+    if name == "wide":  # big tensors (copied in by their own hooks) mixed with small ones
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
     raise ValueError(name)
 
@@ -168,6 +168,12 @@ CONFIGS = {
     "defaults": {},
     "tiny_buckets": {"kwargs": {"bucket_cap_mb": 0.0002}},
     "wide_default_buckets": {"model": "wide", "steps": 3},
+    "wide_several_buckets": {"model": "wide", "steps": 3, "kwargs": {"bucket_cap_mb": 0.5}},
+    "wide_no_sync": {"model": "wide", "accumulate": "no_sync", "steps": 6},
+    "wide_allreduce_hook": {"model": "wide", "steps": 3, "hook": "allreduce_hook"},
+    "wide_grad_as_bucket_view": {"model": "wide", "steps": 3, "kwargs": {"gradient_as_bucket_view": True}},
+    "wide_join_divide_by_active_ranks": {"model": "wide", "steps": 3, "uneven": True,
+                                         "join": {"divide_by_initial_world_size": False}},
     "different_init": {"different_init": True},
     "rebuilt_into_fewer_buckets": {"model": "reordered", "kwargs": {"bucket_cap_mb": 800 / 2**20}},
     "grad_as_bucket_view": {"kwargs": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}},
@@ -209,7 +215,8 @@ CONFIGS = {
 }
 TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2}
 THREE_RANKS = ["defaults", "tiny_buckets", "different_init", "find_unused", "batchnorm_broadcast",
-               "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view"]
+               "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view",
+               "wide_join_divide_by_active_ranks"]
 
 
 def _check(names: list[str], results: list[list[dict]]) -> None:
