@@ -13,6 +13,7 @@ import pytest
 
 from ddpkit.bench.cli import parse_args
 from ddpkit.bench.collectives import alg_bandwidth, bus_bandwidth, message_sizes, repeats_for
+from ddpkit.bench.ddp_step import ratios
 from ddpkit.bench.report import Table, fmt_bytes, quantile, summarize
 
 TABLE_HEADERS = [
@@ -64,6 +65,9 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
         if r["available"]:
             assert 0 < r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
     assert set(data["ddp_step"]["ratios"]) == {"large", "small"}
+    for figures in data["ddp_step"]["ratios"].values():
+        for pair in ("ddpkit/torch", "ddpkit/floor", "torch/floor", "ddpkit/torch cpu"):
+            assert 0 < figures[f"{pair} q1"] <= figures[pair] <= figures[f"{pair} q3"]
 
     for r in data["buckets"]:
         assert r["median"] > 0
@@ -82,6 +86,17 @@ def test_gradient_as_bucket_view_saves_the_grad_copy(quick_run):
         if view:
             # grads alias the buckets: accounted bytes are one copy, not two
             assert r["accounted_bytes"] < by[(model, impl, False)]["accounted_bytes"]
+
+
+def test_a_ratio_is_the_median_of_the_rounds_own_ratios():
+    """Paired round by round, a slow round for both variants cancels; a ratio of medians it would not."""
+    times = {"ddpkit": [1.0, 2.0, 3.0, 4.0, 100.0], "torch": [2.0, 4.0, 6.0, 8.0, 1.0]}
+    rows = [{"model": "m", "variant": v, "available": v in times, "times": times.get(v, []),
+             "cpu_times": times.get(v, [])} for v in ("local", "ddpkit", "torch", "floor")]
+    figures = ratios(rows)["m"]
+    assert figures["ddpkit/torch"] == 0.5 and figures["ddpkit/torch cpu"] == 0.5
+    assert figures["ddpkit/torch q1"] == 0.5 and figures["ddpkit/torch q3"] == 0.5
+    assert figures["ddpkit/floor"] is None and figures["torch/floor q1"] is None
 
 
 @pytest.mark.parametrize("op, world_size, expected_busbw", [

@@ -33,10 +33,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="process-group backend (default nccl with CUDA, else gloo)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="timed repeats per DDP variant and per collective size "
-                             "(default 15, quick 3; large messages use fewer)")
+                        help="timed repeats: rounds over the DDP variants (default 40) and per "
+                             "collective size (default 20; large messages use fewer); quick 3")
     parser.add_argument("--steps", type=int, default=None,
-                        help="training steps per timed repeat (default 5, quick 2)")
+                        help="training steps per timed repeat (default 3, quick 2)")
     parser.add_argument("--models", default="large,small", help="comma list of: large, small")
     parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
                         help="comma list of: collectives, ddp, buckets, memory, profile (or 1-5); "
@@ -88,9 +88,9 @@ def parse_args(argv: list[str]):
     on_cpu = backend == "gloo" or not _cuda()
     return BenchConfig(
         nproc=args.nproc, backend=backend, quick=args.quick,
-        repeats=args.repeats or (3 if args.quick else 15),
+        repeats=args.repeats or (3 if args.quick else 40),
         coll_repeats=args.repeats or (3 if args.quick else 20),
-        steps=args.steps or (2 if args.quick else 5), models=models,
+        steps=args.steps or (2 if args.quick else 3), models=models,
         tables=tuple(dict.fromkeys(_TABLE_ALIASES[t] for t in tables)),
         max_bytes=args.max_size << 20 if args.max_size else None,
         threads=args.threads or (1 if on_cpu else max(1, (os.cpu_count() or 1) // args.nproc)),

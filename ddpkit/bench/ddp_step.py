@@ -1,9 +1,10 @@
 """DDP step time: local step, ddpkit's DDP, torch's DDP and the floor, in one run, interleaved.
 
 Every variant gets its own copy of the same model, the same per-rank batch and the same SGD step.
-Repeats go round-robin over the variants, so slow drift on a noisy machine (frequency scaling,
+Repeats go in rounds over the variants, so slow drift on a noisy machine (frequency scaling,
 a neighbour's job) lands on all of them alike. A repeat is ``steps`` consecutive training steps,
-reported per step; the figure for a repeat is the slowest rank's.
+reported per step; the figure for a repeat is the slowest rank's. A ratio such as ddpkit/torch is
+the median over rounds of the two variants' ratio within a round, where they ran seconds apart.
 
 The *floor* is what any data-parallel step must at least cost here: a local step plus one
 all-reduce of all gradients as one flat tensor (the grads are views into it, so nothing is copied).
@@ -20,13 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.bench.models import build_model, make_batch
-from ddpkit.bench.report import Table, median, summarize
+from ddpkit.bench.report import Table, median, quantile, summarize
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["VARIANTS", "Stepper", "ddpkit_ddp_class", "make_ddp", "make_stepper",
            "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
 
 VARIANTS = ("local", "ddpkit", "torch", "floor")
+_PAIRS = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
 _LR = 0.01
 
 
@@ -123,8 +125,10 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
 def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, steps: int,
                      warmup: int, device: torch.device,
                      cpu_out: dict[Any, list[float]] | None = None) -> dict[Any, list[float]]:
-    """Seconds per step for each stepper, ``repeats`` each, round-robin; max over ranks.
+    """Seconds per step for each stepper, ``repeats`` each, in rounds; max over ranks.
 
+    Odd rounds run the steppers in reverse order: in a fixed order each variant always follows the
+    same other one, and that position alone moved a variant by up to 3% here.
     ``cpu_out`` receives the process CPU seconds per step as well (all threads of the rank, Gloo's
     included): on a shared, noisy machine it shows the work done where wall time shows the waiting.
     """
@@ -134,7 +138,8 @@ def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, step
             steppers[name]()
     times = torch.zeros(2, len(names), repeats, dtype=torch.float64)
     for rep in range(repeats):
-        for i, name in enumerate(names):
+        order = list(enumerate(names))
+        for i, name in order if rep % 2 == 0 else reversed(order):
             barrier(device)
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(steps):
@@ -166,11 +171,13 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
     return rows
 
 
-def _ratio(rows: list[dict], model: str, a: str, b: str, key: str = "median") -> float | None:
+def _ratio(rows: list[dict], model: str, a: str, b: str, key: str = "times") -> dict[str, float] | None:
+    """Median and quartiles over rounds of ``a``'s time over ``b``'s in the same round."""
     by = {r["variant"]: r for r in rows if r["model"] == model and r["available"]}
-    if a in by and b in by:
-        return by[a][key] / by[b][key]
-    return None
+    if a not in by or b not in by:
+        return None
+    paired = [x / y for x, y in zip(by[a][key], by[b][key])]
+    return {"median": median(paired), "q1": quantile(paired, 0.25), "q3": quantile(paired, 0.75)}
 
 
 def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict[str, str]) -> Table:
@@ -187,11 +194,13 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
                   f"{r['cpu_median'] * 1e3:.2f}")
     for model in dict.fromkeys(r["model"] for r in rows):
         parts = []
-        for a, b in (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor")):
-            ratio, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_median")
-            parts.append(f"{a}/{b} = {ratio:.3f} (cpu {cpu:.3f})" if ratio is not None and cpu
-                         else f"{a}/{b} = n/a")
+        for a, b in _PAIRS:
+            wall, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_times")
+            parts.append(f"{a}/{b} = {wall['median']:.3f} [{wall['q1']:.2f}-{wall['q3']:.2f}] "
+                         f"(cpu {cpu['median']:.3f})" if wall and cpu else f"{a}/{b} = n/a")
         table.notes.append(f"{model} ({describe.get(model, '')}): " + ", ".join(parts))
+    table.notes.append("a/b: median over rounds of a's step time over b's in the same round "
+                       "[quartiles]; the variants alternate their order from round to round.")
     table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
                        "ranks): the work done, less sensitive than wall time to a busy machine.")
     if any(not r["available"] for r in rows):
@@ -200,10 +209,14 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
-    """ddpkit/torch, ddpkit/floor and torch/floor median ratios per model, wall and CPU."""
-    out = {}
+    """ddpkit/torch, ddpkit/floor and torch/floor per model: paired medians and quartiles, wall and CPU."""
+    out: dict[str, dict[str, float | None]] = {}
     for model in dict.fromkeys(r["model"] for r in rows):
-        pairs = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
-        out[model] = {f"{a}/{b}": _ratio(rows, model, a, b) for a, b in pairs}
-        out[model].update({f"{a}/{b} cpu": _ratio(rows, model, a, b, "cpu_median") for a, b in pairs})
+        out[model] = {}
+        for a, b in _PAIRS:
+            for key, suffix in (("times", ""), ("cpu_times", " cpu")):
+                stats = _ratio(rows, model, a, b, key)
+                out[model][f"{a}/{b}{suffix}"] = stats and stats["median"]
+                out[model][f"{a}/{b}{suffix} q1"] = stats and stats["q1"]
+                out[model][f"{a}/{b}{suffix} q3"] = stats and stats["q3"]
     return out

@@ -24,9 +24,9 @@ class BenchConfig:
     nproc: int = 2
     backend: str = "gloo"
     quick: bool = False
-    repeats: int = 15
+    repeats: int = 40
     coll_repeats: int = 20
-    steps: int = 5
+    steps: int = 3
     models: tuple[str, ...] = ("large", "small")
     tables: tuple[str, ...] = TABLES
     max_bytes: int | None = None
