@@ -81,6 +81,7 @@ class Reducer:
         if registration_order:
             groups = [sorted(indices) for indices in groups]
         last = len(groups) - 1
+        self.buckets = []  # the old buffers go before the new ones are allocated, as in torch
         self.buckets = [Bucket(k, [self.params[i] for i in idx], idx, k == last, extra=int(k == last))
                         for k, idx in enumerate(groups)]
         self._bucket_of = [0] * len(self.params)

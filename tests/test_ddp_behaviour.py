@@ -437,6 +437,37 @@ def test_zero_grad_set_to_none_frees_the_averaged_gradients_as_torchs_ddp_does()
             assert all(freed[f"ddpkit {kwargs}"]), f"ddpkit kept last step's gradients with {kwargs}"
 
 
+def _buffers_alive_at_rebuild_worker() -> list[int]:
+    """How many earlier bucket buffers are still alive as each rebuilt bucket is allocated."""
+    import weakref
+
+    import ddpkit.reducer
+
+    built: list[weakref.ref] = []
+    alive_then: list[int] = []
+
+    class RecordingBucket(ddpkit.reducer.Bucket):
+        def __init__(self, *args, **kwargs):
+            alive_then.append(sum(ref() is not None for ref in built))
+            super().__init__(*args, **kwargs)
+            built.append(weakref.ref(self.flat))
+
+    ddpkit.reducer.Bucket = RecordingBucket
+    ddp = ddpkit.DDP(_mlp(16, 3), bucket_cap_mb=0.001)
+    first = len(ddp.reducer.buckets)
+    for _ in range(2):  # the second forward rebuilds the buckets
+        ddp(torch.randn(2, 16)).sum().backward()
+    assert len(alive_then) == 2 * first, "the buckets were not rebuilt"
+    return alive_then[first:]
+
+
+@pytest.mark.timeout(60)
+def test_the_rebuild_frees_the_old_bucket_buffers_before_allocating_new_ones():
+    """Else peak memory holds two sets of buckets, as torch's DDP never does."""
+    for alive_then in run_ranks(_buffers_alive_at_rebuild_worker, 2, timeout=40):
+        assert alive_then == list(range(len(alive_then)))  # only the new ones allocated so far
+
+
 # ---- a world of one, and argument checks (in this process, no process group) ----------------------
 
 
