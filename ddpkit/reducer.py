@@ -8,9 +8,9 @@ One iteration, seen from here:
    torch: a parameter counts as unused when none of their outputs reaches it.
 2. The first post-accumulate-grad hook marks the unused parameters ready: not earlier, since a
    ``zero_grad()`` between forward and backward must still reset their gradients, as in torch.
-   Each parameter's hook counts it ready. When a bucket is complete and every
-   bucket before it has been launched, its gradients are scaled into the flat buffer and its
-   all-reduce (or comm hook) starts. Strict bucket order means every rank issues the same sequence
+   Each parameter's hook counts it ready (and scales a big gradient into its slot while it is
+   still in cache). When a bucket is complete and every bucket before it has been launched, the
+   rest of its gradients are scaled into the flat buffer and its all-reduce (or comm hook) starts. Strict bucket order means every rank issues the same sequence
    of collectives, whatever order its gradients arrive in.
 3. At the end of backward (an autograd-engine callback) ``finalize_backward`` launches whatever is
    left, waits for everything, raises the same error on every rank if some rank lacked gradients,
@@ -92,10 +92,6 @@ class Reducer:
         # a big gradient is scaled into its slot by its own hook, while still in cache (its copy at
         # bucket completion cost twice the time); with gradient_as_bucket_view it is already there
         self._big_slot: list[torch.Tensor | None] = [None] * len(self.params)
-        if not self.as_view:
-            for b in self.buckets:
-                for i, v in zip(b.param_indices[: b.num_big], b.views):
-                    self._big_slot[i] = v
         if self.as_view:  # gradients that exist move into the buckets, as torch does
             with torch.no_grad():
                 for b in self.buckets:
@@ -103,6 +99,10 @@ class Reducer:
                         if p.grad is not None and p.grad is not v:
                             v.copy_(p.grad)
                             p.grad = v
+        else:
+            for b in self.buckets:
+                for i, v in zip(b.param_indices[: b.num_big], b.views):
+                    self._big_slot[i] = v
 
     def rebuild_buckets_if_due(self) -> bool:
         """After the first synced backward, rebuild once in rank 0's gradient-ready order."""
@@ -138,7 +138,7 @@ class Reducer:
         self._scale: float | None = 1.0 / self.world_size
         self._copied = [False] * n  # big gradients already in their slot
         # Let go of the gradients written back: held until the next backward, they outlived
-        # zero_grad(set_to_none=True), a second set of gradients in memory, as torch's DDP doesn't.
+        # zero_grad(set_to_none=True), a second set of gradients in memory that torch never keeps.
         for bucket in self.buckets:
             bucket.grads = []
 
