@@ -3,7 +3,8 @@
 DistributedDataParallel needs three things that torch offers only privately: a callback when the
 engine has finished a backward pass (to wait for the all-reduces once), collectives launched without
 the Python object that backward keeps in C++ thread-local state, and buffers overwritten by a
-broadcast without bumping their autograd versions.
+broadcast without bumping their autograd versions. It also hooks each parameter's gradient
+accumulator, a public node whose lifetime rule is not written down.
 """
 from __future__ import annotations
 
@@ -12,10 +13,24 @@ from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-__all__ = ["outside_backward_python_context", "preserving_autograd_versions",
+__all__ = ["gradient_accumulator", "outside_backward_python_context", "preserving_autograd_versions",
            "queue_end_of_backward_callback"]
 
 _BACKWARD_STASHES_CONTEXT = hasattr(torch._C, "_is_key_in_tls")
+
+
+def gradient_accumulator(param: torch.Tensor) -> torch.autograd.graph.Node:
+    """The AccumulateGrad node of a leaf ``param``: where torch's own reducer hooks in.
+
+    A post-hook on it runs once the gradient is in ``.grad`` and after the tensor's post-accumulate-
+    grad hooks, so a gradient a user's hook clips or rescales is the one averaged. The parameter
+    holds its node only weakly: the caller must keep it, or a later backward would build a new one
+    without the hook.
+    """
+    get_gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    if get_gradient_edge is not None:
+        return get_gradient_edge(param).node
+    return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
@@ -23,7 +38,7 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
 
     ``Variable._execution_engine.queue_callback`` is what
     torch's own DDP uses for the same purpose; there is no public equivalent. It must be called
-    from inside a running backward pass (here: from a parameter's post-accumulate-grad hook).
+    from inside a running backward pass (here: from a parameter's gradient-accumulator hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 

@@ -6,12 +6,14 @@ One iteration, seen from here:
    find_unused_parameters, the parameters that the output does not depend on. Several forwards
    before one backward (a siamese loss, a discarded evaluation forward) share one iteration, as in
    torch: a parameter counts as unused when none of their outputs reaches it.
-2. The first post-accumulate-grad hook marks the unused parameters ready: not earlier, since a
-   ``zero_grad()`` between forward and backward must still reset their gradients, as in torch.
-   Each parameter's hook counts it ready (and scales a big gradient into its slot while it is
-   still in cache). When a bucket is complete and every bucket before it has been launched, the
-   rest of its gradients are scaled into the flat buffer and its all-reduce (or comm hook) starts. Strict bucket order means every rank issues the same sequence
-   of collectives, whatever order its gradients arrive in.
+2. The first gradient hook (a post-hook on a parameter's gradient accumulator, which runs after
+   the user's own post-accumulate-grad hooks, as torch's does) marks the unused parameters ready:
+   not earlier, since a ``zero_grad()`` between forward and backward must still reset their
+   gradients, as in torch. Each parameter's hook counts it ready (and scales a big gradient into
+   its slot while it is still in cache). When a bucket is complete and every bucket before it has
+   been launched, the rest of its gradients are scaled into the flat buffer and its all-reduce (or
+   comm hook) starts. Strict bucket order means every rank issues the same sequence of
+   collectives, whatever order its gradients arrive in.
 3. At the end of backward (an autograd-engine callback) ``finalize_backward`` launches whatever is
    left, waits for everything, raises the same error on every rank if some rank lacked gradients,
    and writes the averaged gradients back: they are final when ``backward()`` returns.
@@ -24,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.autograd_engine import outside_backward_python_context, queue_end_of_backward_callback
+from ddpkit.autograd_engine import (gradient_accumulator, outside_backward_python_context,
+                                    queue_end_of_backward_callback)
 from ddpkit.bucket import Bucket, assign_buckets
 from ddpkit.comm import all_gather_object
 from ddpkit.reducer_errors import late_gradient_error, second_gradient_error, unused_gradient_error
@@ -67,8 +70,10 @@ class Reducer:
         self._used_locally = [False] * len(self.params)  # got a gradient in a no_sync step
         self._deferred_unused: list[int] | None = None  # marked ready at the first gradient hook
         self._reset_iteration()
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-                         for i, p in enumerate(self.params)]
+        # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks
+        self._accumulators = [gradient_accumulator(p) for p in self.params]
+        self._handles = [acc.register_hook(functools.partial(self._on_grad_ready, i))
+                         for i, acc in enumerate(self._accumulators)]
 
     # ---- buckets -------------------------------------------------------------------------------
     def _build(self, order: list[int], registration_order: bool = False) -> None:
@@ -191,8 +196,8 @@ class Reducer:
         self._finalized = False
 
     # ---- the hot path --------------------------------------------------------------------------
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: count the gradient in, launch the buckets it completes."""
+    def _on_grad_ready(self, index: int, *_: Any) -> None:
+        """Gradient-accumulator post-hook: count the gradient in, launch the buckets it completes."""
         if not self._expecting:
             if self._finalized:
                 self._finalized = False
@@ -209,10 +214,10 @@ class Reducer:
         if ready[index]:
             raise second_gradient_error(self.rank, self.names[index], self._used[index])
         ready[index] = True
-        slot = self._big_slot[index]
-        if slot is not None and self._join_work is None:  # else the scale is not known yet
+        slot, grad = self._big_slot[index], self.params[index].grad
+        if slot is not None and grad is not None and self._join_work is None:  # else at _fill
             with torch.no_grad():
-                self._copy_in(param.grad, slot)
+                self._copy_in(grad, slot)
             self._copied[index] = True
         if self._record is not None:
             self._record.append(index)

@@ -107,6 +107,21 @@ def _hook(kind: str, name: str):
     return reference
 
 
+def _double_in_place(p: nn.Parameter) -> None:
+    p.grad.mul_(2)
+
+
+def _double_out_of_place(p: nn.Parameter) -> None:
+    p.grad = p.grad * 2
+
+
+def _drop(p: nn.Parameter) -> None:  # e.g. an optimizer step in backward that frees the gradient
+    p.grad = None
+
+
+_USER_HOOKS = {"double": _double_in_place, "replace": _double_out_of_place, "drop": _drop}
+
+
 def _train(kind: str, cfg: dict, rank: int) -> dict:
     """Train one model with ddpkit's ('ddpkit') or torch's ('torch') DDP; return its final state."""
     import ddpkit
@@ -116,6 +131,9 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
     ddp = cls(_model(cfg.get("model", "mlp")), **cfg.get("kwargs", {}))
     if "hook" in cfg:
         ddp.register_comm_hook(None, _hook(kind, cfg["hook"]))
+    if "user_hook" in cfg:  # registered after wrapping: what it leaves in .grad is what is averaged
+        for p in ddp.module.parameters():
+            p.register_post_accumulate_grad_hook(_USER_HOOKS[cfg["user_hook"]])
     opt = SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(7 + rank)
     steps = cfg.get("steps", 4) + (2 * rank if cfg.get("uneven") else 0)
@@ -153,7 +171,8 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
 
 def _grads_are_bucket_views(ddp) -> bool:
     storages = {b.buffer().untyped_storage().data_ptr() for b in ddp.reducer.buckets}
-    return all(p.grad.untyped_storage().data_ptr() in storages for p in ddp.parameters())
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
+               for p in ddp.parameters())
 
 
 def _compare_worker(configs: list[dict]) -> list[dict]:
@@ -172,6 +191,10 @@ CONFIGS = {
     "wide_no_sync": {"model": "wide", "accumulate": "no_sync", "steps": 6},
     "wide_allreduce_hook": {"model": "wide", "steps": 3, "hook": "allreduce_hook"},
     "wide_grad_as_bucket_view": {"model": "wide", "steps": 3, "kwargs": {"gradient_as_bucket_view": True}},
+    "user_hook_in_place": {"model": "wide", "steps": 3, "user_hook": "double"},
+    "user_hook_replaces_grad": {"model": "wide", "steps": 3, "user_hook": "replace"},
+    "user_hook_drops_grad": {"model": "wide", "steps": 3, "user_hook": "drop"},
+    "user_hook_tiny_buckets": {"user_hook": "double", "kwargs": {"bucket_cap_mb": 0.0003}},
     "wide_join_divide_by_active_ranks": {"model": "wide", "steps": 3, "uneven": True,
                                          "join": {"divide_by_initial_world_size": False}},
     "different_init": {"different_init": True},
