@@ -68,6 +68,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce()
+            if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
+                self._refuse_sparse_gradients()
             self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
             self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb, self.device)
         except (TypeError, ValueError, RuntimeError) as e:
@@ -91,6 +93,17 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
         return named
+
+    def _refuse_sparse_gradients(self) -> None:
+        """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket."""
+        for name, module in self.module.named_modules():
+            if (isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
+                    and module.weight.requires_grad):
+                where = f"{name}.weight" if name else "weight"
+                raise NotImplementedError(
+                    f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
+                    f"ones ({type(module).__name__}(sparse=True)). HINT: build it with sparse=False, "
+                    "or use torch.nn.parallel.DistributedDataParallel, which averages sparse gradients.")
 
     def _check_devices(self, device_ids, output_device):
         """torch's rules: device_ids only for a module on one GPU, and then a single device."""

@@ -50,6 +50,7 @@ def _misuse_worker() -> dict[str, str | None]:
     partly_frozen[0].requires_grad_(rank == 0)
     out["frozen"] = _error_of(lambda: ddpkit.DDP(partly_frozen))
     out["frozen_here"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2).requires_grad_(rank == 0)))
+    out["sparse"] = _error_of(lambda: ddpkit.DDP(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))))
 
     def unused(use_some: bool, hook=None, static=False, steps=1):
         ddp = ddpkit.DDP(_Branchy(), static_graph=static)
@@ -130,6 +131,8 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "[4, 4] (float32, requires_grad=False)" in out["frozen"], out["frozen"]
         assert "doesn't have any parameter that requires a gradient" in out["frozen_here"]
         assert "DistributedDataParallel wraps a torch.nn.Module, got str" in out["not_a_module"]
+        assert "dense gradients only, but '0.weight' gets sparse ones (Embedding(sparse=True)). " \
+               "HINT: build it with sparse=False" in out["sparse"], out["sparse"]
         if rank == 0:
             assert out["frozen_here"].startswith("DistributedDataParallel could not be built on rank 1")
         for key in ("unused_here", "unused_hook"):
