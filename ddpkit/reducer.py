@@ -214,11 +214,13 @@ class Reducer:
         if ready[index]:
             raise second_gradient_error(self.rank, self.names[index], self._used[index])
         ready[index] = True
-        slot, grad = self._big_slot[index], self.params[index].grad
-        if slot is not None and grad is not None and self._join_work is None:  # else at _fill
-            with torch.no_grad():
-                self._copy_in(grad, slot)
-            self._copied[index] = True
+        slot = self._big_slot[index]
+        if slot is not None and self._join_work is None:  # else at _fill, once the scale is known
+            grad = self.params[index].grad
+            if grad is not None:
+                with torch.no_grad():
+                    self._copy_in(grad, slot)
+                self._copied[index] = True
         if self._record is not None:
             self._record.append(index)
         b = self._bucket_of[index]
@@ -262,7 +264,7 @@ class Reducer:
             if scale is not None and not self.as_view and not bucket.has_none:  # the common case
                 for k in range(num_big):
                     if not copied[indices[k]]:
-                        torch.mul(grads[k], scale, out=views[k])
+                        self._copy_in(grads[k], views[k])
                 if num_big < len(grads):
                     torch._foreach_copy_(views[num_big:], grads[num_big:])
                     bucket.small_region.mul_(scale)
