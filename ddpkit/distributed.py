@@ -205,7 +205,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             outputs = [t for t in _find_tensors(output) if t.requires_grad]
-            unused = self._unreached_parameters(outputs) if self.find_unused_parameters else ()
+            # with static_graph the first iteration's hook counts decide, as in torch
+            search = self.find_unused_parameters and not self.static_graph
+            unused = self._unreached_parameters(outputs) if search else ()
             self.reducer.prepare_for_backward(unused)
             for t in outputs:
                 if t.grad_fn is not None:  # a hook on a leaf would stay on it for good

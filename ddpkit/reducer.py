@@ -6,17 +6,22 @@ One iteration, seen from here:
    find_unused_parameters, the parameters that the output does not depend on. Several forwards
    before one backward (a siamese loss, a discarded evaluation forward) share one iteration, as in
    torch: a parameter counts as unused when none of their outputs reaches it.
-2. The first gradient hook (a post-hook on a parameter's gradient accumulator, which runs after
-   the user's own post-accumulate-grad hooks, as torch's does) marks the unused parameters ready:
-   not earlier, since a ``zero_grad()`` between forward and backward must still reset their
-   gradients, as in torch. Each parameter's hook counts it ready (and scales a big gradient into
-   its slot while it is still in cache). When a bucket is complete and every bucket before it has
-   been launched, the rest of its gradients are scaled into the flat buffer and its all-reduce (or
-   comm hook) starts. Strict bucket order means every rank issues the same sequence of
-   collectives, whatever order its gradients arrive in.
-3. At the end of backward (an autograd-engine callback) ``finalize_backward`` launches whatever is
-   left, waits for everything, raises the same error on every rank if some rank lacked gradients,
-   and writes the averaged gradients back: they are final when ``backward()`` returns.
+2. The gradient reaching the forward's outputs queues ``finalize_backward`` at the end of that
+   backward (queued from a parameter's hook instead, it could run at the end of a reentrant
+   checkpoint's inner backward). The first gradient hook (a post-hook on a parameter's gradient
+   accumulator, which runs after the user's own post-accumulate-grad hooks, as torch's does)
+   marks the unused parameters ready: not earlier, since a ``zero_grad()`` between forward and
+   backward must still reset their gradients, as in torch. Each parameter's hook counts it ready
+   (and scales a big gradient into its slot while it is still in cache). When a bucket is complete
+   and every bucket before it has been launched, the rest of its gradients are scaled into the
+   flat buffer and its all-reduce (or comm hook) starts. Strict bucket order means every rank
+   issues the same sequence of collectives, whatever order its gradients arrive in. With
+   static_graph, the first iteration counts each parameter's hooks (reentrant checkpointing fires
+   one per reentrant backward) and launches every bucket at the end; later ones wait for that count.
+3. At the end of backward ``finalize_backward`` launches whatever is left, waits for everything,
+   raises the same error on every rank if some rank lacked gradients, and writes the averaged
+   gradients back: they are final when ``backward()`` returns. A backward that reached no
+   parameter (``torch.autograd.grad`` for a gradient penalty) leaves the iteration open.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ from ddpkit.autograd_engine import (gradient_accumulator, outside_backward_pytho
                                     queue_end_of_backward_callback)
 from ddpkit.bucket import Bucket, assign_buckets
 from ddpkit.comm import all_gather_object
-from ddpkit.reducer_errors import late_gradient_error, second_gradient_error, unused_gradient_error
+from ddpkit.reducer_errors import (late_gradient_warning, second_gradient_error, static_graph_changed_error,
+                                   unused_gradient_error, warn_at_user_code)
 
 __all__ = ["Reducer"]
 
@@ -64,6 +70,10 @@ class Reducer:
         self.forwards = 0  # synced forward passes
         self._write_mask: list[bool] | None = None  # False: globally unused, leave .grad alone
         self._static_unused: list[int] = []
+        # static_graph: how often each parameter's hook fired in the first iteration (reentrant
+        # checkpointing fires it once per reentrant backward that uses the parameter)
+        self._hook_counts = [0] * len(self.params)
+        self._late_warned = False
         self._join_work = None
         self._expecting = self._finalized = False
         self._window_start = 1  # the first forward of the iteration being prepared
@@ -110,8 +120,12 @@ class Reducer:
                     self._big_slot[i] = v
 
     def rebuild_buckets_if_due(self) -> bool:
-        """After the first synced backward, rebuild once in rank 0's gradient-ready order."""
-        if self._rebuilt or self.iterations == 0:
+        """After the first synced backward, rebuild once in rank 0's gradient-ready order.
+
+        With static_graph, after the second: the first one counts gradient hooks instead of
+        recording when each parameter became ready.
+        """
+        if self._rebuilt or self.iterations < (2 if self.static_graph else 1):
             return False
         seen = set(self._record or ())
         order = list(self._record or ()) + [i for i in reversed(range(len(self.params))) if i not in seen]
@@ -139,9 +153,12 @@ class Reducer:
         self._pending = list(self._counts)
         self._next_bucket = 0
         self._works: list[Any] = []
-        self._callback_queued = False
+        self._callback_queued = False  # finalize_backward waits at the end of this backward
+        self._began = False  # a gradient hook fired: buckets may have launched
         self._scale: float | None = 1.0 / self.world_size
         self._copied = [False] * n  # big gradients already in their slot
+        # static_graph after its first iteration: hooks still to fire before a parameter is ready
+        self._hooks_left = list(self._hook_counts) if self.static_graph and self.iterations else None
         # Let go of the gradients written back: held until the next backward, they outlived
         # zero_grad(set_to_none=True), a second set of gradients in memory that torch never keeps.
         for bucket in self.buckets:
@@ -152,9 +169,19 @@ class Reducer:
         """Missing gradients are allowed this iteration (and a used-map all-reduce is due)."""
         return self.find_unused or (self.static_graph and self.iterations == 0)
 
+    @property
+    def _counting(self) -> bool:
+        """static_graph's first iteration: hooks are counted and every bucket launches at the end
+        of backward (torch's delay_all_reduce), since a hook may fire again."""
+        return self.static_graph and self.iterations == 0
+
     def prepare_for_forward(self) -> None:
         """Called before a synced forward: a backward that began must have finished."""
-        if self._expecting and self._callback_queued:
+        if self._expecting and not self._began:
+            # a backward that reached no parameter, or failed before one did: nothing launched,
+            # and a callback queued by an output hook of a failed backward never runs
+            self._callback_queued = False
+        elif self._expecting:
             self._end_iteration(counted=False)
             raise RuntimeError(
                 f"DistributedDataParallel on rank {self.rank}: forward() was called while the previous "
@@ -166,19 +193,22 @@ class Reducer:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach."""
         if not self._expecting:  # the first forward of an iteration
             self._window_start = self.forwards + 1
-        self._expecting, self._finalized = True, False
+        self._expecting, self._finalized, self._late_warned = True, False, False
         self.forwards += 1
-        if self.find_unused:
+        if self.static_graph:  # the first iteration's hook counts say which are unused, as in torch
+            if self.iterations > 0:
+                self._deferred_unused = self._static_unused
+        elif self.find_unused:
             if self._deferred_unused is None:
                 self._deferred_unused = list(unused)
             else:  # unused only if no forward of this iteration reaches it
                 unused_now = set(unused)
                 self._deferred_unused = [i for i in self._deferred_unused if i in unused_now]
-        elif self.static_graph and self.iterations > 0:
-            self._deferred_unused = self._static_unused
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
-        """A hook for this forward's outputs: backward through an older forward's graph raises."""
+        """A hook for this forward's outputs: queues the wait at the end of the backward that runs
+        through them (a reentrant checkpoint's inner backward, where parameter hooks may fire
+        first, ends earlier); backward through an older forward's graph raises."""
         forward = self.forwards
 
         def check(grad: torch.Tensor) -> None:
@@ -189,7 +219,13 @@ class Reducer:
                     f"{self.forwards} came after it; its gradients would be averaged as if they were "
                     "the new ones. HINT: call backward() on each forward's loss before the next "
                     "backward (retain_graph only inside no_sync()).")
+            if self._expecting and not self._callback_queued:
+                self._queue_finalize()
         return check
+
+    def _queue_finalize(self) -> None:
+        self._callback_queued = True
+        queue_end_of_backward_callback(self.finalize_backward)
 
     def prepare_for_local_backward(self) -> None:
         """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""
@@ -199,17 +235,30 @@ class Reducer:
     def _on_grad_ready(self, index: int, *_: Any) -> None:
         """Gradient-accumulator post-hook: count the gradient in, launch the buckets it completes."""
         if not self._expecting:
-            if self._finalized:
-                self._finalized = False
-                raise late_gradient_error(self.rank, self.names[index])
+            if self._finalized:  # torch's DDP leaves such a gradient local too; it says nothing
+                if not self._late_warned:
+                    self._late_warned = True
+                    warn_at_user_code(late_gradient_warning(self.rank, self.names[index]))
+                return
             if self.find_unused:  # a local step (no_sync): torch counts this parameter as used
                 self._used_locally[index] = True
             return
-        if not self._callback_queued:  # the first gradient of this backward
-            self._callback_queued = True
-            queue_end_of_backward_callback(self.finalize_backward)
+        if not self._began:  # the first gradient of this backward
+            self._began = True
+            if not self._callback_queued:  # backward did not come through the outputs we know of
+                self._queue_finalize()
             if self._deferred_unused:  # before counting this one, which may be among them
                 self._mark_unused(self._deferred_unused)
+        if self._counting:
+            self._hook_counts[index] += 1
+            return
+        left = self._hooks_left
+        if left is not None:
+            if not left[index]:
+                raise static_graph_changed_error(self.rank, self.names[index], self._hook_counts[index])
+            left[index] -= 1
+            if left[index]:  # more reentrant backwards will add to this gradient
+                return
         ready = self._ready
         if ready[index]:
             raise second_gradient_error(self.rank, self.names[index], self._used[index])
@@ -302,6 +351,9 @@ class Reducer:
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:
         """End of backward: launch what is left, wait, check, write the averages back."""
+        if not self._began:  # it reached no parameter (torch.autograd.grad): the iteration goes on
+            self._callback_queued = False
+            return
         with outside_backward_python_context():
             self._finalize_backward()
 
@@ -318,6 +370,11 @@ class Reducer:
     def _launch_remaining(self) -> list[int]:
         if self._next_bucket == len(self.buckets):
             return []
+        if self._counting:  # every parameter whose hook fired is ready now
+            for i, count in enumerate(self._hook_counts):
+                if count and not self._ready[i]:
+                    self._ready[i] = True
+                    self._pending[self._bucket_of[i]] -= 1
         missing = [i for i, r in enumerate(self._ready) if not r]
         if not self._tolerant and self.comm_hook is None:
             self.buckets[-1].flag.fill_(1)  # tell every rank, through the last bucket's all-reduce

@@ -7,6 +7,7 @@ Many configurations share one spawned run to keep the suite fast.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -78,6 +79,39 @@ class MovingAverage(nn.Module):
         return y - self.avg
 
 
+class Checkpointed(nn.Module):
+    """``shared`` runs in two reentrant checkpoints (or one, and once outside): its gradient
+    accumulator fires once per reentrant backward, which torch supports with static_graph only."""
+
+    def __init__(self, inside_and_out: bool = False):
+        super().__init__()
+        self.inside_and_out = inside_and_out
+        # 128 x 128: a big tensor, scaled into its bucket by its own hook
+        self.inp, self.shared, self.out = nn.Linear(IN, 128), nn.Linear(128, 128), nn.Linear(128, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, torch.tanh(self.inp(x)), use_reentrant=True)
+        h = torch.tanh(h)
+        h = self.shared(h) if self.inside_and_out else checkpoint(self.shared, h, use_reentrant=True)
+        return self.out(torch.tanh(h))
+
+
+class CheckpointedWhole(nn.Module):
+    """Every parameter is reached only by reentrant backwards, twice: none fires in the outer one."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(IN, IN), nn.Tanh())
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.body, x.detach().requires_grad_(), use_reentrant=True)
+        return checkpoint(self.body, h, use_reentrant=True)
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -91,6 +125,12 @@ def _model(name: str) -> nn.Module:
         return MovingAverage()
     if name == "wide":  # big tensors (copied in by their own hooks) mixed with small ones
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
+    if name == "checkpointed_whole":
+        return CheckpointedWhole()
+    if name == "checkpointed_twice":
+        return Checkpointed()
+    if name == "checkpointed_inside_and_out":
+        return Checkpointed(inside_and_out=True)
     raise ValueError(name)
 
 
@@ -128,7 +168,8 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
 
     torch.manual_seed(1000 + (rank if cfg.get("different_init") else 0))
     cls = ddpkit.DistributedDataParallel if kind == "ddpkit" else nn.parallel.DistributedDataParallel
-    ddp = cls(_model(cfg.get("model", "mlp")), **cfg.get("kwargs", {}))
+    kwargs = cfg.get("torch_kwargs", cfg.get("kwargs", {})) if kind == "torch" else cfg.get("kwargs", {})
+    ddp = cls(_model(cfg.get("model", "mlp")), **kwargs)
     if "hook" in cfg:
         ddp.register_comm_hook(None, _hook(kind, cfg["hook"]))
     if "user_hook" in cfg:  # registered after wrapping: what it leaves in .grad is what is averaged
@@ -140,7 +181,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
     forward_kwargs = {"use_some": rank == 1} if cfg.get("model") == "unused" else {}
     with ddp.join(**cfg.get("join", {})) if cfg.get("uneven") else contextlib.nullcontext():
         for step in range(steps):
-            x = torch.randn(5, IN, generator=data) + rank
+            x = x_in = (torch.randn(5, IN, generator=data) + rank).requires_grad_(cfg.get("gradient_penalty", False))
             local = cfg.get("accumulate") and step % 3 != 2
             if cfg.get("some_only_in_local_steps"):
                 forward_kwargs = {"use_some": bool(local)}
@@ -153,9 +194,16 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
                 if cfg.get("two_forwards"):  # a siamese loss: two forwards, one backward
                     out = out - ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {}))
                 loss = out.square().mean()
+                if cfg.get("gradient_penalty"):  # WGAN-GP: autograd.grad through the outputs first
+                    slope, = torch.autograd.grad(out.sum(), x_in, create_graph=True)
+                    loss = loss + slope.square().mean()
                 if cfg.get("zero_grad_after_forward"):  # pytorch/examples' ImageNet order
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
-                loss.backward()
+                loss.backward(retain_graph=cfg.get("second_backward", False))
+                if cfg.get("second_backward"):  # its gradients stay local, in both DDPs
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        out.sum().backward()
             ddp.require_backward_grad_sync = True
             if not local:
                 views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
@@ -204,6 +252,25 @@ CONFIGS = {
     "no_sync": {"accumulate": "no_sync", "steps": 6},
     "require_backward_grad_sync": {"accumulate": "attribute", "steps": 6, "set_to_none": False},
     "static_graph": {"kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
+    "static_graph_checkpointed_twice": {"model": "checkpointed_twice", "kwargs": {"static_graph": True}},
+    "static_graph_checkpointed_twice_tiny_buckets": {
+        "model": "checkpointed_twice", "kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
+    "static_graph_checkpointed_inside_and_out": {"model": "checkpointed_inside_and_out", "steps": 5,
+                                                 "kwargs": {"static_graph": True}},
+    "static_graph_checkpointed_whole": {"model": "checkpointed_whole", "kwargs": {"static_graph": True}},
+    "gradient_penalty": {"gradient_penalty": True},
+    # torch's static_graph averages at the end of the autograd.grad call in its first iteration,
+    # before any gradient exists (off by 1.5e-2 from single-process training, where ddpkit is
+    # exact): the reference is torch without static_graph
+    "static_graph_gradient_penalty": {"gradient_penalty": True, "kwargs": {"static_graph": True},
+                                      "torch_kwargs": {}},
+    "static_graph_checkpointed_find_unused": {
+        "model": "checkpointed_twice", "kwargs": {"static_graph": True, "find_unused_parameters": True}},
+    # torch's static_graph fails an INTERNAL ASSERT when the first backward is a no_sync one; the
+    # reference is torch without static_graph, which computes the same thing
+    "static_graph_no_sync": {"accumulate": "no_sync", "steps": 6, "kwargs": {"static_graph": True},
+                             "torch_kwargs": {}},
+    "second_backward_through_one_forward": {"second_backward": True},
     "find_unused": {"model": "unused", "kwargs": {"find_unused_parameters": True}},
     "find_unused_tiny_buckets": {"model": "unused",
                                  "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0002}},
@@ -237,7 +304,7 @@ CONFIGS = {
     "join_uneven_unused": {"uneven": True, "model": "unused", "kwargs": {"find_unused_parameters": True}},
 }
 TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2}
-THREE_RANKS = ["defaults", "tiny_buckets", "different_init", "find_unused", "batchnorm_broadcast",
+THREE_RANKS = ["defaults", "static_graph_checkpointed_twice", "tiny_buckets", "different_init", "find_unused", "batchnorm_broadcast",
                "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view",
                "wide_join_divide_by_active_ranks"]
 

@@ -7,6 +7,7 @@ which the deadline would report).
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -59,6 +60,25 @@ def _misuse_worker() -> dict[str, str | None]:
         for step in range(steps):
             ddp(torch.ones(2, 4), use_some=use_some or (static and step == 0)).sum().backward()
 
+    def static_graph_grew():  # a parameter checkpointed once, then twice: a changed graph
+        from torch.utils.checkpoint import checkpoint
+
+        class Shared(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp, self.shared = nn.Linear(4, 4), nn.Linear(4, 4)
+
+            def forward(self, x, uses):
+                h = self.inp(x)
+                for _ in range(uses):
+                    h = checkpoint(self.shared, h, use_reentrant=True)
+                return h
+
+        ddp = ddpkit.DDP(Shared(), static_graph=True)
+        for uses in (1, 2):
+            ddp(torch.ones(2, 4), uses).sum().backward()
+
+    out["static_graph_grew"] = _error_of(static_graph_grew)
     out["unused_here"] = _error_of(lambda: unused(rank == 0))
     out["unused_hook"] = _error_of(lambda: unused(rank == 0, hook=ddpkit.hooks.allreduce_hook))
     out["unused_everywhere"] = _error_of(lambda: unused(False))
@@ -88,6 +108,19 @@ def _misuse_worker() -> dict[str, str | None]:
             pass
         failing(torch.ones(2, 8))
 
+    fails_first = ddpkit.DDP(nn.Sequential(nn.Linear(8, 8), FailsInBackward()))
+
+    def step_after_a_backward_that_failed_before_any_gradient() -> bool:
+        try:
+            fails_first(torch.ones(2, 8)).sum().backward()
+        except ValueError:
+            pass
+        fails_first.module[1] = nn.Identity()
+        fails_first(torch.full((2, 8), float(rank))).sum().backward()  # averaged as usual
+        grads = [torch.zeros(8, 8) for _ in range(dist.get_world_size())]
+        dist.all_gather(grads, fails_first.module[0].weight.grad)  # differs by rank until averaged
+        return all(torch.equal(g, grads[0]) for g in grads)
+
     def backward_twice():
         loss = ddp(torch.ones(2, 8)).sum()
         loss.backward(retain_graph=True)
@@ -104,7 +137,11 @@ def _misuse_worker() -> dict[str, str | None]:
 
     out["older_graph"] = _error_of(backward_through_an_older_graph)
     out["after_failed_backward"] = _error_of(forward_after_a_failed_backward)
-    out["backward_twice"] = _error_of(backward_twice)
+    out["failed_before_any_gradient"] = step_after_a_backward_that_failed_before_any_gradient()
+    with warnings.catch_warnings(record=True) as caught:  # torch's DDP runs it too, silently
+        warnings.simplefilter("always")
+        backward_twice()
+    out["backward_twice"] = [str(w.message) for w in caught]
     ddp(torch.ones(2, 8)).sum().backward()  # still usable after those errors
     out["recovered"] = ddp.module[0].weight.grad is not None and None
 
@@ -144,7 +181,14 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert "backward() reached the output of forward pass 1, whose gradients were already " \
                "averaged, but forward pass 2" in out["older_graph"]
         assert "previous backward() had not finished" in out["after_failed_backward"]
-        assert "arrived after this iteration's gradients were already averaged" in out["backward_twice"]
+        assert out["failed_before_any_gradient"] is True
+        assert len(out["backward_twice"]) == 1, out["backward_twice"]  # once per backward
+        assert f"DistributedDataParallel on rank {rank}: a gradient for '2.bias' arrived after this " \
+               "iteration's gradients were already averaged" in out["backward_twice"][0]
+        assert "Its gradients are not averaged" in out["backward_twice"][0]
+        assert "static_graph=True says every iteration uses the parameters alike" in out["static_graph_grew"]
+        assert f"rank {rank}: parameter 'shared.bias' received more gradients in this backward " \
+               "pass than in the first iteration (one gradient)" in out["static_graph_grew"]
         assert out["recovered"] is None
         assert "exhausted" in out["early_termination"]
 
