@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Bucket", "assign_buckets", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
+__all__ = ["Bucket", "assign_buckets", "copy_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
@@ -53,6 +53,15 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     return buckets
 
 
+def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None:
+    """One pass over a big gradient: multiplied by ``scale`` into its slot, or copied (None)."""
+    with torch.no_grad():
+        if scale is None:
+            slot.copy_(grad)
+        else:
+            torch.mul(grad, scale, out=slot)
+
+
 class Bucket:
     """One flat gradient buffer, its parameters, and a view of the buffer shaped like each one.
 
@@ -85,6 +94,61 @@ class Bucket:
         self.small_region = self._buffer[sum(p.numel() for p in params[: self.num_big]):]
         self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
         self.has_none = False
+
+    def fill(self, scale: float | None, as_view: bool, copied: Sequence[bool]) -> None:
+        """Put the parameters' gradients into the buffer, multiplied by ``scale`` (None: as they are).
+
+        ``copied[i]``: parameter ``i``'s big gradient is already in its slot. A missing gradient
+        counts as zeros. With ``as_view`` each gradient becomes its view of the buffer.
+        """
+        grads = self.grads = [p.grad for p in self.params]
+        views, num_big, indices = self.views, self.num_big, self.param_indices
+        self.has_none = any(g is None for g in grads)
+        with torch.no_grad():
+            if scale is not None and not as_view and not self.has_none:  # the common case
+                for k in range(num_big):
+                    if not copied[indices[k]]:
+                        copy_in(grads[k], views[k], scale)
+                if num_big < len(grads):
+                    torch._foreach_copy_(views[num_big:], grads[num_big:])
+                    self.small_region.mul_(scale)
+                return
+            copy_src, copy_dst = [], []
+            for k, (g, v) in enumerate(zip(grads, views)):
+                if k < num_big and copied[indices[k]]:
+                    continue
+                if g is v:  # gradient_as_bucket_view: already in place
+                    if k < num_big and scale is not None:
+                        v.mul_(scale)
+                elif g is None:
+                    v.zero_()
+                elif k < num_big:
+                    copy_in(g, v, scale)
+                else:
+                    copy_src.append(g)
+                    copy_dst.append(v)
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+            if scale is not None and self.small_region.numel():
+                self.small_region.mul_(scale)
+        if as_view:
+            for p, g, v in zip(self.params, grads, views):
+                if g is not None and g is not v:
+                    p.grad = v
+
+    def write_back(self, as_view: bool, mask: Sequence[bool] | None) -> None:
+        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
+        if mask is None and not self.has_none:
+            if not as_view:
+                torch._foreach_copy_(self.grads, self.views)
+            return
+        for i, p, g, v in zip(self.param_indices, self.params, self.grads, self.views):
+            if mask is not None and not mask[i]:
+                continue
+            if g is None:
+                p.grad = v if as_view else v.clone()
+            elif not as_view:
+                g.copy_(v)
 
     def zeros_like(self) -> Bucket:
         """A bucket of the same layout holding zeros: what a joined rank contributes.

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ddpkit.autograd_engine import (gradient_accumulator, outside_backward_python_context,
                                     queue_end_of_backward_callback)
-from ddpkit.bucket import Bucket, assign_buckets
+from ddpkit.bucket import Bucket, assign_buckets, copy_in
 from ddpkit.comm import all_gather_object
 from ddpkit.reducer_errors import (late_gradient_warning, second_gradient_error, static_graph_changed_error,
                                    unused_gradient_error, warn_at_user_code)
@@ -267,8 +267,7 @@ class Reducer:
         if slot is not None and self._join_work is None:  # else at _fill, once the scale is known
             grad = self.params[index].grad
             if grad is not None:
-                with torch.no_grad():
-                    self._copy_in(grad, slot)
+                copy_in(grad, slot, self._copy_scale)
                 self._copied[index] = True
         if self._record is not None:
             self._record.append(index)
@@ -300,53 +299,16 @@ class Reducer:
                 self._works.append(self.comm_hook(self.comm_state, bucket))
 
     def _fill(self, bucket: Bucket) -> None:
-        """Scale this bucket's gradients into its buffer (a comm hook gets them unscaled)."""
         if self._join_work is not None:
             self._join_work.wait()
             self._scale = 1.0 / max(1, int(self._join_work.result()[0].item()))
             self._join_work = None
-        scale = self._scale if self.comm_hook is None else None
-        grads = bucket.grads = [p.grad for p in bucket.params]
-        views, num_big, indices, copied = bucket.views, bucket.num_big, bucket.param_indices, self._copied
-        bucket.has_none = any(g is None for g in grads)
-        with torch.no_grad():
-            if scale is not None and not self.as_view and not bucket.has_none:  # the common case
-                for k in range(num_big):
-                    if not copied[indices[k]]:
-                        self._copy_in(grads[k], views[k])
-                if num_big < len(grads):
-                    torch._foreach_copy_(views[num_big:], grads[num_big:])
-                    bucket.small_region.mul_(scale)
-                return
-            copy_src, copy_dst = [], []
-            for k, (g, v) in enumerate(zip(grads, views)):
-                if k < num_big and copied[indices[k]]:
-                    continue
-                if g is v:  # gradient_as_bucket_view: already in place
-                    if k < num_big and scale is not None:
-                        v.mul_(scale)
-                elif g is None:
-                    v.zero_()
-                elif k < num_big:
-                    self._copy_in(g, v)
-                else:
-                    copy_src.append(g)
-                    copy_dst.append(v)
-            if copy_dst:
-                torch._foreach_copy_(copy_dst, copy_src)
-            if scale is not None and bucket.small_region.numel():
-                bucket.small_region.mul_(scale)
-        if self.as_view:
-            for p, g, v in zip(bucket.params, grads, views):
-                if g is not None and g is not v:
-                    p.grad = v
+        bucket.fill(self._copy_scale, self.as_view, self._copied)
 
-    def _copy_in(self, grad: torch.Tensor, slot: torch.Tensor) -> None:
-        """One pass over a big gradient: scaled into its slot, or copied for a comm hook."""
-        if self.comm_hook is None:
-            torch.mul(grad, self._scale, out=slot)
-        else:
-            slot.copy_(grad)
+    @property
+    def _copy_scale(self) -> float | None:
+        """What gradients are multiplied by on their way in: none for a comm hook, which averages."""
+        return self._scale if self.comm_hook is None else None
 
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:
@@ -435,19 +397,8 @@ class Reducer:
             raise unused_gradient_error(self.rank, everyone, self.static_graph)
 
     def _write_back(self) -> None:
-        mask = self._write_mask
         for bucket in self.buckets:
-            if mask is None and not bucket.has_none:
-                if not self.as_view:
-                    torch._foreach_copy_(bucket.grads, bucket.views)
-                continue
-            for i, p, g, v in zip(bucket.param_indices, bucket.params, bucket.grads, bucket.views):
-                if mask is not None and not mask[i]:
-                    continue
-                if g is None:
-                    p.grad = v if self.as_view else v.clone()
-                elif not self.as_view:
-                    g.copy_(v)
+            bucket.write_back(self.as_view, self._write_mask)
 
     def _end_iteration(self, counted: bool = True) -> None:
         self._expecting = False
