@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ddpkit.comm import broadcast_object
-from ddpkit.process_group import current_env, is_main_process
+from ddpkit.process_group import current_env, is_main_process, require_group_when_launched
 
 __all__ = [
     "save",
@@ -62,6 +62,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
         RuntimeError: on ranks other than 0 when rank 0 failed to write (rank 0 raises its own error).
     """
     path = _as_path(path)
+    require_group_when_launched("ddpkit.save", "the other ranks could not wait for rank 0's write")
     error: str | None = None
     if is_main_process():
         try:

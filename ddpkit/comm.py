@@ -2,7 +2,8 @@
 
 Each takes ``group=None`` (the default group). Without any process group (a plain ``python`` run
 that never called ``ddpkit.init()``) they act as the identity of a world of one, so the same
-training script runs everywhere.
+training script runs everywhere; in a job a launcher started with several processes they raise
+until ``ddpkit.init()`` has joined them, instead of leaving each rank with its own answer.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ddpkit.process_group import require_group_when_launched
 
 __all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_object",
            "reduce_scatter", "barrier", "REDUCE_OPS"]
@@ -32,9 +35,11 @@ def _active(group) -> bool:
     return dist.is_available() and dist.is_initialized() or group is not None
 
 
-def _world_size(group) -> int:
-    """The group's size; raises on a rank outside ``group`` (torch would quietly do nothing there)."""
+def _world_size(group, op: str) -> int:
+    """The group's size; raises on a rank outside ``group`` (torch would quietly do nothing there),
+    and in a launched job whose group ``init()`` has not made yet."""
     if not _active(group):
+        require_group_when_launched(f"ddpkit.{op}", f"{op} would leave each rank with its own result")
         return 1
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError(
@@ -80,11 +85,12 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
     _check_mean("all_reduce", name, tensor)
-    if _world_size(group) == 1:
+    world_size = _world_size(group, "all_reduce")
+    if world_size == 1:
         return tensor
     dist.all_reduce(tensor, op=reduce_op, group=group)
     if name in ("mean", "avg"):
-        tensor.div_(_world_size(group))
+        tensor.div_(world_size)
     return tensor
 
 
@@ -94,14 +100,14 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     ``src`` is a global rank, as in ``torch.distributed.broadcast``, also with a subgroup.
     """
     _check_tensor("tensor", tensor)
-    if _check_src(src, group) > 1:
+    if _check_src(src, group, "broadcast") > 1:
         dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Return rank ``src``'s ``obj`` (any picklable object) on every rank; ``src`` as in broadcast."""
-    if _check_src(src, group) == 1:
+    if _check_src(src, group, "broadcast_object") == 1:
         return obj
     device = _comm_device(group)
     sending = dist.get_rank() == src
@@ -113,9 +119,9 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return obj if sending else _from_bytes_tensor(buffer)
 
 
-def _check_src(src: int, group) -> int:
+def _check_src(src: int, group, op: str) -> int:
     """The group's size, once ``src`` is known to be one of its (global) ranks."""
-    world_size = _world_size(group)
+    world_size = _world_size(group, op)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     if isinstance(src, bool) or not isinstance(src, int) or src not in members:
         raise ValueError(f"src={src!r} is not a rank of this group (its ranks are {members}). HINT: src "
@@ -125,7 +131,7 @@ def _check_src(src: int, group) -> int:
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's ``obj`` (any picklable object), in rank order."""
-    if _world_size(group) == 1:
+    if _world_size(group, "all_gather_object") == 1:
         return [obj]
     device = _comm_device(group)
     return [_from_bytes_tensor(t) for t in all_gather(_to_bytes_tensor(obj).to(device), group=group)]
@@ -148,7 +154,7 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     Returns a list of ``world_size`` tensors (``torch.cat`` it for one tensor).
     """
     _check_tensor("tensor", tensor)
-    world_size = _world_size(group)
+    world_size = _world_size(group, "all_gather")
     if world_size == 1:
         return [tensor.clone()]
     tensor = tensor.contiguous()
@@ -183,7 +189,7 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
     fine), or a list of ``world_size`` tensors. Gloo has no native reduce-scatter: there it is an
     all-reduce followed by taking this rank's chunk, the same result at twice the traffic.
     """
-    world_size, rank = _world_size(group), _rank(group)
+    world_size, rank = _world_size(group, "reduce_scatter"), _rank(group)
     if isinstance(tensor, torch.Tensor):
         if tensor.dim() == 0:
             raise ValueError("reduce_scatter needs a tensor with a first dimension to split, got a scalar.")
@@ -218,7 +224,7 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
 
 def barrier(group=None) -> None:
     """Wait until every rank of the group arrives here."""
-    if _world_size(group) > 1:
+    if _world_size(group, "barrier") > 1:
         dist.barrier(group=group)
 
 

@@ -21,6 +21,7 @@ from ddpkit.autograd_engine import preserving_autograd_versions
 from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
 from ddpkit.comm import all_gather_object
 from ddpkit.join import JoinSupport
+from ddpkit.process_group import require_group_when_launched
 from ddpkit.reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -61,6 +62,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self.process_group = _default_group() if process_group is None else process_group
+        if self.process_group is None:  # a world of one, unless a launcher started several ranks
+            require_group_when_launched("DistributedDataParallel",
+                                        "each rank would train on its own, its gradients never averaged")
         self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
         self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
         local_error: Exception | None = None

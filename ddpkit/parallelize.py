@@ -21,15 +21,13 @@ option neither takes is a TypeError, on every path, so a typo fails in the quick
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.env import detect
-from ddpkit.process_group import current_env, get_local_rank
+from ddpkit.process_group import current_env, get_local_rank, require_group_when_launched
 
 __all__ = ["parallelize", "local_devices"]
 
@@ -55,13 +53,7 @@ def parallelize(module: nn.Module, **options: Any) -> nn.Module:
         raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}.")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return _distributed(module, options)
-    if not (dist.is_available() and dist.is_initialized()):
-        launched = detect(os.environ)
-        if launched.world_size > 1:
-            raise RuntimeError(
-                f"this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
-                f"(launcher: {launched.launcher}), but no process group exists, so parallelize "
-                "cannot make it DistributedDataParallel. HINT: call ddpkit.init() first.")
+    require_group_when_launched("parallelize", "it cannot make the module DistributedDataParallel")
     return _single_process(module, options)
 
 

@@ -117,6 +117,21 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
+def require_group_when_launched(what: str, consequence: str) -> None:
+    """Raise if a launcher started several processes but ``init()`` has not joined them yet.
+
+    Without a process group each rank would act as a world of one, quietly on its own.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    launched = detect(os.environ)
+    if launched.world_size > 1:
+        raise RuntimeError(
+            f"{what}: this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
+            f"(launcher: {launched.launcher}), but no process group exists, so {consequence}. "
+            "HINT: call ddpkit.init() first.")
+
+
 def get_rank() -> int:
     """This process's rank: from the process group once initialized, else from the environment."""
     return dist.get_rank() if dist.is_initialized() else detect(os.environ).rank

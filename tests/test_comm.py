@@ -23,6 +23,23 @@ def test_collectives_without_any_process_group_act_as_a_world_of_one():
     ddpkit.barrier()
 
 
+@pytest.mark.parametrize("call", [
+    lambda: ddpkit.all_reduce(torch.ones(1)), lambda: ddpkit.broadcast(torch.ones(1)),
+    lambda: ddpkit.broadcast_object(1), lambda: ddpkit.all_gather(torch.ones(1)),
+    lambda: ddpkit.reduce_scatter(torch.ones(2)), ddpkit.barrier,
+], ids=["all_reduce", "broadcast", "broadcast_object", "all_gather", "reduce_scatter", "barrier"])
+def test_a_launched_rank_without_init_is_told_to_call_it_not_left_alone(monkeypatch, call, request):
+    """Under torchrun without ddpkit.init(), a world of one would leave each rank its own answer."""
+    assert not dist.is_initialized()
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    op = request.node.callspec.id
+    with pytest.raises(RuntimeError, match=rf"^ddpkit\.{op}: this process is rank 1 of WORLD_SIZE=2 "
+                                           r"\(launcher: torchrun\).*HINT: call ddpkit.init\(\) first"):
+        call()
+
+
 @pytest.mark.parametrize("op", ["median", 3, None])
 def test_unknown_reduce_op_is_named(op):
     with pytest.raises(ValueError, match=rf"op={op!r} is not a reduction"):

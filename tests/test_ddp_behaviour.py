@@ -536,6 +536,16 @@ def test_world_of_one_is_a_transparent_wrapper():
         pass
 
 
+def test_a_launched_rank_without_init_is_told_to_call_it(monkeypatch):
+    """A transparent wrapper there would train every rank on its own, never averaging."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=r"^DistributedDataParallel: this process is rank 1 of "
+                                           r"WORLD_SIZE=2 .*call ddpkit.init\(\) first"):
+        ddpkit.DistributedDataParallel(_mlp())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"device_ids": [0]}, r"device_ids=\[0\] and output_device=None only apply to a module on a single GPU"),
     ({"output_device": 0}, r"leave device_ids and output_device as None for CPU"),
