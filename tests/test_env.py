@@ -66,6 +66,15 @@ TORCHRUN_ERRORS = [
                                           r"processes, LOCAL_WORLD_SIZE=2 per node: .*\[0, 4\)"),
         ({**TORCHRUN, "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "2"},
          r"GROUP_RANK=2 is out of range for GROUP_WORLD_SIZE=2"),
+        # a node's ranks are consecutive: two processes of one node would share LOCAL_RANK (a GPU)
+        ({**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
+         r"RANK=0 and LOCAL_RANK=1 disagree: .* would start at rank -1"),
+        ({**TORCHRUN, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": "0"},
+         r"RANK=1 and LOCAL_RANK=0 disagree: .*\(LOCAL_WORLD_SIZE=2\) do not fit in WORLD_SIZE=2"),
+        ({**TORCHRUN, "RANK": "2"}, r"RANK=2 with LOCAL_RANK=1 makes rank 1 this node's first, but "
+                                    r"GROUP_RANK=1 with LOCAL_WORLD_SIZE=2 .* starts it at rank 2"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+         r"^LOCAL_RANK=5 is out of range for WORLD_SIZE=2"),
 ]
 
 
@@ -222,6 +231,18 @@ def test_mpi_over_several_nodes_needs_master_addr():
     environ = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
                "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
     with pytest.raises(ValueError, match=r"MASTER_ADDR is not set.*mpirun -x MASTER_ADDR"):
+        detect(environ)
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n1"},
+     r"^SLURM_LOCALID=1 differs from SLURM_PROCID=0, but all 2 processes of the job are on this node"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+     r"^OMPI_COMM_WORLD_LOCAL_RANK=1 differs from OMPI_COMM_WORLD_RANK=0, but all 2 processes"),
+])
+def test_on_one_node_the_local_rank_must_be_the_rank(environ, message):
+    with pytest.raises(ValueError, match=message + r".*HINT: .*share a GPU"):
         detect(environ)
 
 

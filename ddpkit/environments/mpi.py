@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
-from ddpkit.environments.variables import check_rank, read_int, read_master_port, read_optional_int
+from ddpkit.environments.variables import (check_one_node, check_rank, read_int, read_master_port,
+                                           read_optional_int)
 
 __all__ = ["from_mpi"]
 
@@ -42,6 +43,7 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     if local_rank is None:
         local_rank = rank % local_world_size
     check_rank(local_rank_name, local_rank, local_size_name, local_world_size)
+    check_one_node(rank_name, rank, local_rank_name, local_rank, local_world_size, world_size)
     node_rank = _mpi_node(rank, world_size, local_rank, local_world_size)
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or None

@@ -12,8 +12,8 @@ from typing import Mapping
 
 from ddpkit.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.environments.hostlist import expand_hostlist, expand_tasks_per_node
-from ddpkit.environments.variables import (check_rank, first_set, read_int, read_master_port,
-                                           read_optional_int)
+from ddpkit.environments.variables import (check_one_node, check_rank, first_set, read_int,
+                                           read_master_port, read_optional_int)
 
 __all__ = ["from_slurm"]
 
@@ -55,6 +55,7 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
                 f"{node_rank}. HINT: set SLURM_LOCALID (srun does), or make the two agree.")
     check_rank("SLURM_LOCALID", local_rank, layout_name, local_world_size,
                f"the {local_world_size} task(s) on node {node_rank} of {layout}")
+    check_one_node("SLURM_PROCID", rank, "SLURM_LOCALID", local_rank, local_world_size, world_size)
     if sum(counts) != world_size:
         raise ValueError(
             f"{tasks_name}={world_size} disagrees with {layout} = {sum(counts)} tasks. HINT: ask "

@@ -37,6 +37,8 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     local_world_size = read_optional_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
     local_rank = read_optional_int(environ, "LOCAL_RANK")
     if local_world_size is None:
+        if local_rank is not None:
+            check_rank("LOCAL_RANK", local_rank, "WORLD_SIZE", world_size)
         local_world_size = world_size if local_rank is None or local_rank == rank else local_rank + 1
     if local_rank is None:
         local_rank = rank % local_world_size
@@ -47,6 +49,7 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
             "cannot hold more processes than the whole job. HINT: set LOCAL_WORLD_SIZE to the "
             "processes on this node (torchrun's --nproc-per-node), at most WORLD_SIZE."
         )
+    _check_consecutive(rank, local_rank, local_world_size, world_size, "LOCAL_WORLD_SIZE" in environ)
     node_rank = read_optional_int(environ, "GROUP_RANK")
     if node_rank is None:
         node_rank = rank // local_world_size
@@ -59,6 +62,8 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                    num_nodes or -(-world_size // local_world_size), described,
                    "HINT: GROUP_RANK is this node's index (torchrun's --node-rank), counted from 0; "
                    "check it and LOCAL_WORLD_SIZE.")
+        if num_nodes in (None, world_size // local_world_size) and world_size % local_world_size == 0:
+            _check_node_start(rank, local_rank, node_rank, local_world_size)
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or None
     master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
@@ -77,3 +82,27 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     launcher = "ddpkit" if environ.get("DDPKIT_LAUNCHER") == "ddpkit" else "torchrun"
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, launcher)
+
+
+def _check_consecutive(rank: int, local_rank: int, local_world_size: int, world_size: int,
+                       local_world_size_set: bool) -> None:
+    """torchrun gives a node's processes consecutive ranks: its first is RANK - LOCAL_RANK."""
+    first = rank - local_rank
+    if 0 <= first and first + local_world_size <= world_size:
+        return
+    size = (f"LOCAL_WORLD_SIZE={local_world_size}" if local_world_size_set
+            else f"at least {local_world_size}, for LOCAL_RANK={local_rank}")
+    raise ValueError(
+        f"RANK={rank} and LOCAL_RANK={local_rank} disagree: a node's processes hold consecutive ranks, "
+        f"so this node's would start at rank {first}, and its processes ({size}) do not fit in "
+        f"WORLD_SIZE={world_size}. HINT: RANK is the node's first rank + LOCAL_RANK; check both.")
+
+
+def _check_node_start(rank: int, local_rank: int, node_rank: int, local_world_size: int) -> None:
+    """With LOCAL_WORLD_SIZE processes on every node, node GROUP_RANK starts at GROUP_RANK x that."""
+    if rank - local_rank != node_rank * local_world_size:
+        raise ValueError(
+            f"RANK={rank} with LOCAL_RANK={local_rank} makes rank {rank - local_rank} this node's first, "
+            f"but GROUP_RANK={node_rank} with LOCAL_WORLD_SIZE={local_world_size} processes on every "
+            f"node starts it at rank {node_rank * local_world_size}. HINT: check RANK, LOCAL_RANK and "
+            "GROUP_RANK (torchrun's --node-rank).")

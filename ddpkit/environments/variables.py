@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-__all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "read_master_port"]
+__all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "check_one_node",
+           "read_master_port"]
 
 
 def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str | None = None) -> int:
@@ -42,6 +43,19 @@ def check_rank(rank_name: str, rank: int, size_name: str, size: int, described: 
                         f"check {size_name}.")
         raise ValueError(f"{rank_name}={rank} is out of range for {described or f'{size_name}={size}'}: "
                          f"{rank_name} must be in [0, {size}). {hint}")
+
+
+def check_one_node(rank_name: str, rank: int, local_name: str, local_rank: int,
+                   local_world_size: int, world_size: int) -> None:
+    """When every process of the job is on this node, its local rank is its rank.
+
+    Two processes with one local rank would pick the same GPU.
+    """
+    if local_world_size == world_size and local_rank != rank:
+        raise ValueError(
+            f"{local_name}={local_rank} differs from {rank_name}={rank}, but all {world_size} "
+            f"processes of the job are on this node, where the local rank is the rank. HINT: "
+            f"check {local_name}; two processes with one local rank would share a GPU.")
 
 
 def read_master_port(environ: Mapping[str, str], default: int) -> int:
