@@ -351,7 +351,14 @@ def test_ctrl_c_while_waiting_for_node_0_says_it_was_interrupted(job, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_failure_on_one_node_stops_the_other_node(job, tmp_path):
-    (code0, err0), (code1, err1) = job.run_two_nodes(WORKER, str(tmp_path), "fail", "3")
+    node0, node1 = job.start_nodes(WORKER, str(tmp_path), "fail", "3")
+    err1 = node1.communicate(timeout=50)[1]
+    node1_done = time.monotonic()
+    err0 = node0.communicate(timeout=50)[1]
+    # node 0 closes its store once every other node has the failure: the failing node has it from
+    # the start (it waited out a 5 s read timeout for the failing node's own acknowledgement)
+    assert time.monotonic() - node1_done < 3
+    code0, code1 = node0.returncode, node1.returncode
     assert (code0, code1) == (1, 1), (err0, err1)
     assert "rank 3 on node 1" in err0 and "stopped on this node: rank 0, rank 1" in err0
     assert "rank 3 (node 1, local rank 1" in err1 and "ValueError: boom on rank 3" in err1

@@ -198,6 +198,8 @@ class NodeRendezvous:
             if self._store.add(f"attempt/{attempt}/failures", 1) == 1:
                 info = {**info, "from": self._config.node_rank}
                 self._store.set(failure_key(attempt), json.dumps(info))
+                if self._config.node_rank != 0:  # its own report needs no reading: node 0 may close
+                    self._store.add(read_key(failure_key(attempt)), 1)
         except (RuntimeError, OSError):
             pass  # node 0 is gone: the other nodes lose the store and stop anyway
 

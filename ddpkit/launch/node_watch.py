@@ -139,7 +139,7 @@ class NodeWatch:
         with self._lock:
             if self._key == key:
                 self.failure = info
-        if self._node_rank != 0:
+        if self._node_rank not in (0, info.get("from")):  # the reporting node counted itself
             self._store.add(read_key(key), 1)  # only now may node 0 close its store
 
     def _check_heartbeats(self, seen: dict[int, tuple[int, float]], now: float) -> None:
