@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddpkit._devices import DeviceLike, as_devices, check_available
+from ddpkit._torch_names import torch_keywords
 
 __all__ = ["replicate"]
 
@@ -85,6 +86,7 @@ def _check_replicatable(module: nn.Module) -> None:
         )
 
 
+@torch_keywords(network="module")
 def replicate(module: M, devices: Sequence[DeviceLike], detach: bool = False) -> list[M]:
     """Return one replica of ``module`` per entry of ``devices`` (repeats allowed).
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ddpkit._devices import DeviceLike, as_device, as_devices, check_available
+from ddpkit._torch_names import torch_keywords
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
@@ -130,6 +131,7 @@ def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
     return devices
 
 
+@torch_keywords(target_gpus="target_devices")
 def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
     """Split ``inputs`` into one piece per device, chunking tensors along ``dim`` like torch.chunk.
 
@@ -143,6 +145,7 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
     return tuple(_scatter_map(inputs, _target_devices(target_devices), dim))
 
 
+@torch_keywords(target_gpus="target_devices")
 def scatter_kwargs(
     inputs: tuple[Any, ...],
     kwargs: dict[str, Any] | None,

@@ -6,6 +6,7 @@ import inspect
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import ddpkit
@@ -59,6 +60,27 @@ def test_signatures_and_defaults_are_the_contracts():
                   or getattr(torch.nn.parallel.scatter_gather, name))
         their_params = inspect.signature(theirs).parameters
         assert set(defaults) <= set(their_params), f"torch's {name} names its arguments differently"
+
+
+def test_torchs_keyword_names_work_too():
+    """Code written for torch calls scatter(..., target_gpus=...) and replicate(network=...)."""
+    x = torch.arange(6.0).view(3, 2)
+    ours = ddpkit.scatter(x, target_devices=["cpu", "cpu"])
+    theirs = ddpkit.scatter(inputs=x, target_gpus=["cpu", "cpu"], dim=0)
+    assert [t.tolist() for t in theirs] == [t.tolist() for t in ours] == [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0]]]
+    inputs, kwargs = ddpkit.scatter_kwargs((x,), {"y": x}, target_gpus=["cpu", "cpu"])
+    assert len(inputs) == len(kwargs) == 2 and torch.equal(kwargs[1]["y"], x[2:])
+    replicas = ddpkit.replicate(network=torch.nn.Linear(2, 2), devices=["cpu", "cpu"])
+    assert len(replicas) == 2 and torch.equal(replicas[0](x), replicas[1](x))
+    with pytest.raises(TypeError, match=r"scatter\(\) got both target_devices= and torch's name for it, "
+                                        r"target_gpus=; pass one"):
+        ddpkit.scatter(x, target_devices=["cpu"], target_gpus=["cpu"])
+    for name in ("scatter", "scatter_kwargs", "replicate", "gather", "parallel_apply"):
+        theirs = inspect.signature(getattr(torch.nn.parallel, name, None)
+                                   or getattr(torch.nn.parallel.scatter_gather, name)).parameters
+        ours = inspect.signature(getattr(ddpkit, name)).parameters
+        aliases = {"target_gpus": "target_devices", "network": "module"}
+        assert [aliases.get(p, p) for p in theirs] == list(ours), name
 
 
 def test_python_dash_m_ddpkit_answers():
