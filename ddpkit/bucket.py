@@ -62,6 +62,17 @@ def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None
             torch.mul(grad, scale, out=slot)
 
 
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides if its elements fill one block without gaps (any order of dimensions, such
+    as channels_last), else the contiguous ones."""
+    expected = 1
+    for d in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
+        if t.stride(d) != expected:
+            return torch.empty(t.shape, device="meta").stride()
+        expected *= t.shape[d]
+    return t.stride()
+
+
 class Bucket:
     """One flat gradient buffer, its parameters, and a view of the buffer shaped like each one.
 
@@ -88,7 +99,9 @@ class Bucket:
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            self.views.append(self._buffer[offset: offset + p.numel()].view(p.shape))
+            # shaped and strided like the parameter (a channels_last weight keeps its layout), as
+            # torch's bucket views are: with gradient_as_bucket_view they become the gradients
+            self.views.append(self._buffer.as_strided(p.shape, _dense_strides(p), offset))
             offset += p.numel()
         self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in params)
         self.small_region = self._buffer[sum(p.numel() for p in params[: self.num_big]):]

@@ -75,7 +75,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
                 self._refuse_sparse_gradients()
             self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
-            self.bucket_bytes_cap, first_cap = _bucket_caps(bucket_cap_mb, self.device)
+            self.bucket_bytes_cap, self._first_bucket_bytes = _bucket_caps(bucket_cap_mb, self.device)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         if self.world_size > 1:
@@ -88,10 +88,16 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:
             self._broadcast_states(src=0, buffers=broadcast_buffers)
-            self.reducer = self._make_reducer(named, first_cap)
+            self.reducer = self._make_reducer(named)
 
     # ---- construction steps --------------------------------------------------------------------
     def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
+        for name, p in self.module.named_parameters():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise RuntimeError(
+                    f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
+                    "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
+                    "forward pass on a sample batch before wrapping the model.")
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
@@ -121,7 +127,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                              "per process, so device_ids can only be None or contain a single element. "
                              "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
         if not device_ids or types[0] == "cpu" or len(devices) > 1:
-            if device_ids or output_device is not None:
+            if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
                 raise ValueError(
                     f"device_ids={device_ids} and output_device={output_device} only apply to a module "
                     f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
@@ -162,9 +168,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                     f"{problem} (this is rank {self.rank}). HINT: build the model identically on every "
                     "rank (same arguments, same code path) before wrapping it.")
 
-    def _make_reducer(self, named: list[tuple[str, nn.Parameter]], first_cap: int) -> Reducer:
+    def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
-                       self.bucket_bytes_cap, first_cap,
+                       self.bucket_bytes_cap, self._first_bucket_bytes,
                        find_unused_parameters=self.find_unused_parameters,
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
                        static_graph=self.static_graph)
@@ -177,6 +183,27 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def _broadcast_states(self, src: int, buffers: bool) -> None:
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         _broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+
+    # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's rule: without the process group and the reducer, which the copy makes anew."""
+        if self.process_group is not _default_group():
+            raise RuntimeError(
+                "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
+                "process group (the copy joins the default group). HINT: copy or save its .module "
+                "and wrap that in a new DistributedDataParallel.")
+        state = super().__getstate__()
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The copy averages its own parameters' gradients over the default group; its comm hook,
+        as in torch, is not carried over."""
+        super().__setstate__(state)
+        self.process_group = _default_group()
+        self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
+        self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
+        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -302,8 +329,9 @@ def _bucket_caps(bucket_cap_mb: float | None, device: torch.device) -> tuple[int
     """
     if bucket_cap_mb is None:
         bucket_cap_mb = _DEFAULT_BUCKET_CAP_MB
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of MiB.")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
+                         "bucket per parameter).")
     cap = max(1, int(bucket_cap_mb * _MIB))
     small_first = bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB and device.type != "cpu"
     return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap

@@ -118,7 +118,7 @@ def shadow_backward(reducer: Reducer) -> None:
         tail[1].wait()
         failed = not reducer._tolerant and int(tail[0].item())
     else:
-        failed = int(zeros.flag.item())
+        failed = bool(zeros.flag.item())
     if failed:  # an active rank lacked gradients: raise with it, naming nothing of ours
         everyone = all_gather_object((reducer.rank, []), group=reducer.group)
         raise unused_gradient_error(reducer.rank, everyone, reducer.static_graph)

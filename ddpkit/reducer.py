@@ -389,7 +389,7 @@ class Reducer:
             tail[1].wait()
             failed = int(tail[0].item())
         else:
-            failed = int(self.buckets[-1].flag.item())
+            failed = bool(self.buckets[-1].flag.item())  # the gradients' dtype: maybe complex
         if failed:
             self.buckets[-1].flag.zero_()
             names = [self.names[i] for i in missing]

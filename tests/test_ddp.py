@@ -112,6 +112,30 @@ class CheckpointedWhole(nn.Module):
         return checkpoint(self.body, h, use_reentrant=True)
 
 
+class ComplexValued(nn.Module):
+    """Complex weights (spectral and state-space models have them); a real loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(IN, 8, dtype=torch.cfloat) / 3)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out((x.to(torch.cfloat) @ self.w).abs())
+
+
+class ChannelsLast(nn.Module):
+    """A convolution whose weight is channels_last: its gradient keeps that layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, kernel_size=(1, 2)).to(memory_format=torch.channels_last)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.conv(x.view(-1, 2, 1, 3))).flatten(1))
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -125,6 +149,10 @@ def _model(name: str) -> nn.Module:
         return MovingAverage()
     if name == "wide":  # big tensors (copied in by their own hooks) mixed with small ones
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
+    if name == "complex":
+        return ComplexValued()
+    if name == "channels_last":
+        return ChannelsLast()
     if name == "checkpointed_whole":
         return CheckpointedWhole()
     if name == "checkpointed_twice":
@@ -207,6 +235,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
             ddp.require_backward_grad_sync = True
             if not local:
                 views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
+                strides = [None if p.grad is None else p.grad.stride() for p in ddp.parameters()]
                 opt.step()
                 if not cfg.get("zero_grad_after_forward"):
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
@@ -214,7 +243,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
     grads_none = [p.grad is None for p in ddp.parameters()]
     if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):
         views = None
-    return {"state": state, "grads_none": grads_none, "views": views}
+    return {"state": state, "grads_none": grads_none, "views": views, "strides": strides}
 
 
 def _grads_are_bucket_views(ddp) -> bool:
@@ -271,6 +300,12 @@ CONFIGS = {
     "static_graph_no_sync": {"accumulate": "no_sync", "steps": 6, "kwargs": {"static_graph": True},
                              "torch_kwargs": {}},
     "second_backward_through_one_forward": {"second_backward": True},
+    "complex_parameters": {"model": "complex"},
+    "complex_parameters_join": {"model": "complex", "uneven": True},
+    "channels_last": {"model": "channels_last"},
+    "channels_last_grad_as_bucket_view": {"model": "channels_last", "set_to_none": False,
+                                          "kwargs": {"gradient_as_bucket_view": True}},
+    "one_bucket_per_parameter": {"kwargs": {"bucket_cap_mb": 0}},
     "find_unused": {"model": "unused", "kwargs": {"find_unused_parameters": True}},
     "find_unused_tiny_buckets": {"model": "unused",
                                  "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0002}},
@@ -314,9 +349,11 @@ def _check(names: list[str], results: list[list[dict]]) -> None:
         for name, got in zip(names, per_rank):
             mine, ref = got["ddpkit"], got["torch"]
             assert mine["grads_none"] == ref["grads_none"], (name, rank)
+            assert mine["strides"] == ref["strides"], (name, rank, "gradient layout")
             assert mine["state"].keys() == ref["state"].keys(), (name, rank)
             for key, value in ref["state"].items():
-                diff = (mine["state"][key].double() - value.double()).abs().max().item()
+                wide = torch.complex128 if value.is_complex() else torch.float64  # both parts
+                diff = (mine["state"][key].to(wide) - value.to(wide)).abs().max().item()
                 assert diff <= TOLERANCE.get(name, 1e-5), f"{name}: rank {rank} {key} differs by {diff}"
             if mine["views"] is not None:
                 assert mine["views"], f"{name}: a .grad is not a view into a bucket"

@@ -193,6 +193,39 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert "exhausted" in out["early_termination"]
 
 
+def _copies_worker() -> dict:
+    """copy.deepcopy(ddp) (an EMA or teacher model) and torch.save(ddp) work, as with torch's."""
+    import copy
+    import io
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ddp = ddpkit.DDP(_mlp())
+    saved = io.BytesIO()
+    torch.save(ddp, saved)
+    saved.seek(0)
+    copies = {"deepcopy": copy.deepcopy(ddp), "torch.load": torch.load(saved, weights_only=False)}
+    out = {}
+    for name, twin in copies.items():
+        assert twin.module is not ddp.module and twin.reducer is not ddp.reducer
+        twin(torch.full((2, 8), float(rank + 1))).sum().backward()  # gradients differ by rank...
+        grads = [torch.zeros(8, 8) for _ in range(dist.get_world_size())]
+        dist.all_gather(grads, twin.module[0].weight.grad)
+        out[name] = torch.equal(grads[0], grads[1]) and grads[0].abs().sum().item() > 0  # ...until averaged
+    out["original_untouched"] = all(p.grad is None for p in ddp.parameters())
+    subgroup = dist.new_group([0, 1])
+    out["subgroup"] = _error_of(lambda: copy.deepcopy(ddpkit.DDP(_mlp(), process_group=subgroup)))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_deepcopy_and_torch_save_of_the_wrapper_make_a_working_ddp():
+    for out in run_ranks(_copies_worker, 2, timeout=45):
+        assert out["deepcopy"] is True and out["torch.load"] is True and out["original_untouched"]
+        assert "pickled or deep-copied only when it uses the default process group" in out["subgroup"]
+
+
 def _forbid_torch_ddp() -> None:
     """Make torch's DDP, its C++ Reducer and its bucketing raise if anything touches them."""
     import torch.distributed as dist
@@ -548,13 +581,28 @@ def test_a_launched_rank_without_init_is_told_to_call_it(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"device_ids": [0]}, r"device_ids=\[0\] and output_device=None only apply to a module on a single GPU"),
-    ({"output_device": 0}, r"leave device_ids and output_device as None for CPU"),
+    ({"output_device": 1}, r"leave device_ids and output_device as None for CPU"),
     ({"device_ids": [0, 1]}, r"device_ids can only be None or contain a single element"),
-    ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a positive number of MiB"),
+    ({"bucket_cap_mb": -1}, r"bucket_cap_mb=-1 must be a number of MiB, 0 or more"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ddpkit.DDP(_mlp(), **kwargs)
+
+
+def test_what_torch_accepts_on_cpu_is_accepted():
+    """torch lets output_device=0 pass on a CPU module (unused), and takes bucket_cap_mb=0."""
+    assert ddpkit.DDP(_mlp(), output_device=0).output_device is None
+    ddpkit.DDP(_mlp(), bucket_cap_mb=0)
+
+
+def test_a_lazy_module_is_refused_until_its_first_forward():
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match=r"'0.weight' is not yet \(a lazy module, such as nn.LazyLinear.*"
+                                           r"HINT: run one forward pass on a sample batch before wrapping"):
+        ddpkit.DDP(lazy)
+    lazy(torch.ones(1, 3))
+    ddpkit.DDP(lazy)
 
 
 def test_something_other_than_a_module_is_refused():
