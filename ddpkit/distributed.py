@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -59,6 +60,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
+        # torch's way to keep some parameters and buffers out of DDP: per-rank ones, left alone
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self.process_group = _default_group() if process_group is None else process_group
@@ -84,7 +87,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             raise local_error
         # whether there are buffers at all: walking the module tree each forward costs ~1 ms at 400
         # modules, so a model without buffers is not walked again
-        self._has_buffers = any(True for _ in module.buffers())
+        self._has_buffers = any(True for _ in self._synced_buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:
             self._broadcast_states(src=0, buffers=broadcast_buffers)
@@ -98,7 +101,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                     f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
                     "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
                     "forward pass on a sample batch before wrapping the model.")
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
@@ -176,13 +180,35 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                        static_graph=self.static_graph)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.module.named_parameters()
+        ignore = self.parameters_to_ignore
+        yield from ((n, p) for n, p in self.module.named_parameters() if n not in ignore)
         if buffers:
-            yield from self.module.named_buffers()
+            yield from ((n, b) for n, b in self.module.named_buffers() if n not in ignore)
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     def _broadcast_states(self, src: int, buffers: bool) -> None:
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         _broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+
+    # ---- torch's private configuration calls, which its own error messages recommend --------
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
+        later: not broadcast, not checked across ranks, not averaged."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's call)."""
+        if self.static_graph:
+            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.")
+            return
+        if self.reducer is not None:
+            self.reducer.set_static_graph()
+        self.static_graph = True
 
     # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
     def __getstate__(self) -> dict[str, Any]:
@@ -240,7 +266,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             search = self.find_unused_parameters and not self.static_graph
             unused = self._unreached_parameters(outputs) if search else ()
             self.reducer.prepare_for_backward(unused)
-            for t in outputs:
+            # the hooks say where backward ends: look into a plain output object too (torch's
+            # search above does not, and find_unused_parameters keeps its answer)
+            hooked = outputs or [t for t in _find_tensors(output, attributes=True) if t.requires_grad]
+            for t in hooked:
                 if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
                     t.register_hook(self.reducer.output_gradient_hook())
         else:
@@ -286,7 +315,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         torch's does: a graph of an earlier forward of this iteration may have saved them.
         """
         src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
-        buffers = list(self.module.buffers())
+        buffers = self._synced_buffers()
         with preserving_autograd_versions(buffers):
             _broadcast_coalesced(buffers, src, self.process_group)
 
@@ -385,8 +414,9 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
                     torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
 
 
-def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: tensors, lists, tuples, dicts, dataclasses."""
+def _find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) output: tensors, lists, tuples, dicts, dataclasses; with
+    ``attributes`` also those a plain object holds (one level: no cycles to follow)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -398,6 +428,9 @@ def _find_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from _find_tensors(getattr(obj, field.name))
+    elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)):
+        for item in vars(obj).values():
+            yield from _find_tensors(item)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -136,6 +136,16 @@ class Reducer:
         self._reset_iteration()  # the pending counts are per bucket, and the buckets changed
         return True
 
+    def set_static_graph(self) -> None:
+        """Turn static_graph on before the first forward."""
+        if self.forwards:
+            raise RuntimeError(
+                f"DistributedDataParallel on rank {self.rank}: _set_static_graph() came after "
+                f"{self.forwards} forward pass(es); the first iteration must count the gradients "
+                "already. HINT: pass static_graph=True to the constructor.")
+        self.static_graph, self._rebuilt, self._record = True, False, []
+        self._reset_iteration()
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self.comm_hook is not None:
             raise RuntimeError("register_comm_hook() may be called only once per DistributedDataParallel.")

@@ -44,8 +44,10 @@ def second_gradient_error(rank: int, name: str, used: bool) -> RuntimeError:
     if not used:
         return RuntimeError(
             f"{prefix} a gradient, but the forward's output has no autograd path to it, so it was "
-            "already reduced as unused. HINT: return every tensor the loss is computed from in "
-            "the module's output.")
+            "already reduced as unused (find_unused_parameters searches that path; a parameter used "
+            "only inside a reentrant activation checkpoint is off it). HINT: return every tensor the "
+            "loss is computed from in the module's output; checkpoint with use_reentrant=False, or "
+            "pass static_graph=True.")
     return RuntimeError(
         f"{prefix} its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
         "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "

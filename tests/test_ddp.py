@@ -136,6 +136,42 @@ class ChannelsLast(nn.Module):
         return self.out(torch.tanh(self.conv(x.view(-1, 2, 1, 3))).flatten(1))
 
 
+class PlainOutput:
+    """Neither a tensor, a container nor a dataclass: DDP's search for output tensors skips it."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+class PlainOutputCheckpointedLast(nn.Module):
+    """The last layer in a reentrant checkpoint: its parameters' hooks fire in an inner backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(IN, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return PlainOutput(checkpoint(self.out, torch.tanh(self.inp(x)), use_reentrant=True))
+
+
+class LocalHead(nn.Module):
+    """A shared trunk and a per-rank head and buffer that DDP is told to ignore (torch's private
+    ``_set_params_and_buffers_to_ignore_for_model``, common in multi-task code)."""
+
+    IGNORED = ["head.weight", "head.bias", "seen"]
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.head = nn.Linear(IN, 8), nn.Linear(8, 3)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x):
+        self.seen += len(x)
+        return self.head(torch.tanh(self.trunk(x))) + self.seen
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -149,6 +185,10 @@ def _model(name: str) -> nn.Module:
         return MovingAverage()
     if name == "wide":  # big tensors (copied in by their own hooks) mixed with small ones
         return nn.Sequential(nn.Linear(IN, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
+    if name == "plain_output_checkpointed_last":
+        return PlainOutputCheckpointedLast()
+    if name == "local_head":
+        return LocalHead()
     if name == "complex":
         return ComplexValued()
     if name == "channels_last":
@@ -197,7 +237,15 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
     torch.manual_seed(1000 + (rank if cfg.get("different_init") else 0))
     cls = ddpkit.DistributedDataParallel if kind == "ddpkit" else nn.parallel.DistributedDataParallel
     kwargs = cfg.get("torch_kwargs", cfg.get("kwargs", {})) if kind == "torch" else cfg.get("kwargs", {})
-    ddp = cls(_model(cfg.get("model", "mlp")), **kwargs)
+    model = _model(cfg.get("model", "mlp"))
+    if cfg.get("model") == "local_head":
+        with torch.no_grad():
+            model.head.weight.add_(rank)
+            model.seen.fill_(10 * rank)
+        cls._set_params_and_buffers_to_ignore_for_model(model, LocalHead.IGNORED)
+    ddp = cls(model, **kwargs)
+    if cfg.get("set_static_graph"):  # torch's own error messages recommend this private call
+        ddp._set_static_graph()
     if "hook" in cfg:
         ddp.register_comm_hook(None, _hook(kind, cfg["hook"]))
     if "user_hook" in cfg:  # registered after wrapping: what it leaves in .grad is what is averaged
@@ -219,6 +267,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
                 if cfg.get("discarded_forward"):  # e.g. evaluation without torch.no_grad()
                     ddp(x + 1, **forward_kwargs)
                 out = ddp(x, **forward_kwargs)
+                out = out.logits if isinstance(out, PlainOutput) else out
                 if cfg.get("two_forwards"):  # a siamese loss: two forwards, one backward
                     out = out - ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {}))
                 loss = out.square().mean()
@@ -249,7 +298,7 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
 def _grads_are_bucket_views(ddp) -> bool:
     storages = {b.buffer().untyped_storage().data_ptr() for b in ddp.reducer.buckets}
     return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
-               for p in ddp.parameters())
+               for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore)
 
 
 def _compare_worker(configs: list[dict]) -> list[dict]:
@@ -300,6 +349,12 @@ CONFIGS = {
     "static_graph_no_sync": {"accumulate": "no_sync", "steps": 6, "kwargs": {"static_graph": True},
                              "torch_kwargs": {}},
     "second_backward_through_one_forward": {"second_backward": True},
+    "plain_output_checkpointed_last": {"model": "plain_output_checkpointed_last"},
+    "params_and_buffers_to_ignore": {"model": "local_head"},
+    "params_and_buffers_to_ignore_bucket_view": {"model": "local_head", "kwargs": {"gradient_as_bucket_view": True}},
+    "set_static_graph_after_construction": {"model": "checkpointed_twice", "set_static_graph": True},
+    "set_static_graph_find_unused": {"model": "unused", "set_static_graph": True,
+                                     "kwargs": {"find_unused_parameters": True}},
     "complex_parameters": {"model": "complex"},
     "complex_parameters_join": {"model": "complex", "uneven": True},
     "channels_last": {"model": "channels_last"},

@@ -79,6 +79,9 @@ def _misuse_worker() -> dict[str, str | None]:
             ddp(torch.ones(2, 4), uses).sum().backward()
 
     out["static_graph_grew"] = _error_of(static_graph_grew)
+    late = ddpkit.DDP(_mlp())
+    late(torch.ones(2, 8)).sum().backward()
+    out["late_static_graph"] = _error_of(late._set_static_graph)
     out["unused_here"] = _error_of(lambda: unused(rank == 0))
     out["unused_hook"] = _error_of(lambda: unused(rank == 0, hook=ddpkit.hooks.allreduce_hook))
     out["unused_everywhere"] = _error_of(lambda: unused(False))
@@ -182,6 +185,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "averaged, but forward pass 2" in out["older_graph"]
         assert "previous backward() had not finished" in out["after_failed_backward"]
         assert out["failed_before_any_gradient"] is True
+        assert f"rank {rank}: _set_static_graph() came after 1 forward pass(es)" in out["late_static_graph"]
         assert len(out["backward_twice"]) == 1, out["backward_twice"]  # once per backward
         assert f"DistributedDataParallel on rank {rank}: a gradient for '2.bias' arrived after this " \
                "iteration's gradients were already averaged" in out["backward_twice"][0]
