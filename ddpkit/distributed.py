@@ -9,7 +9,6 @@ and the overlapped all-reduce live in ``ddpkit.reducer`` on plain ``torch.distri
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
@@ -19,17 +18,17 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ddpkit.autograd_engine import preserving_autograd_versions
-from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
 from ddpkit.comm import all_gather_object
+from ddpkit.ddp_arguments import (DEFAULT_BUCKET_CAP_MB, bucket_caps, check_devices, first_difference,
+                                   refuse_sparse_gradients, refuse_uninitialized)
+from ddpkit.ddp_outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.join import JoinSupport
 from ddpkit.process_group import require_group_when_launched
 from ddpkit.reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-_MIB = 1024 * 1024
-_DEFAULT_BUCKET_CAP_MB = 25
-_BROADCAST_CHUNK_BYTES = 250 * _MIB  # torch's broadcast_bucket_size
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
 
 
 class DistributedDataParallel(nn.Module, JoinSupport):
@@ -48,7 +47,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group=None,
-                 bucket_cap_mb: float | None = _DEFAULT_BUCKET_CAP_MB,
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False):
         super().__init__()
@@ -76,9 +75,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce()
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
-                self._refuse_sparse_gradients()
-            self.device, self.device_ids, self.output_device = self._check_devices(device_ids, output_device)
-            self.bucket_bytes_cap, self._first_bucket_bytes = _bucket_caps(bucket_cap_mb, self.device)
+                refuse_sparse_gradients(module)
+            self.device, self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
+            self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb, self.device)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         if self.world_size > 1:
@@ -95,54 +94,13 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
     # ---- construction steps --------------------------------------------------------------------
     def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
-        for name, p in self.module.named_parameters():
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                raise RuntimeError(
-                    f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
-                    "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
-                    "forward pass on a sample batch before wrapping the model.")
+        refuse_uninitialized(self.module)
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
         return named
-
-    def _refuse_sparse_gradients(self) -> None:
-        """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket."""
-        for name, module in self.module.named_modules():
-            if (isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-                    and module.weight.requires_grad):
-                where = f"{name}.weight" if name else "weight"
-                raise NotImplementedError(
-                    f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
-                    f"ones ({type(module).__name__}(sparse=True)). HINT: build it with sparse=False, "
-                    "or use torch.nn.parallel.DistributedDataParallel, which averages sparse gradients.")
-
-    def _check_devices(self, device_ids, output_device):
-        """torch's rules: device_ids only for a module on one GPU, and then a single device."""
-        devices = {p.device for p in self.module.parameters()}
-        types = sorted({d.type for d in devices})
-        if len(types) != 1:
-            raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
-                             f"device, found {types}. HINT: move the whole module with .to(device).")
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(f"device_ids={list(device_ids)}: DistributedDataParallel drives one device "
-                             "per process, so device_ids can only be None or contain a single element. "
-                             "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
-        if not device_ids or types[0] == "cpu" or len(devices) > 1:
-            if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
-                raise ValueError(
-                    f"device_ids={device_ids} and output_device={output_device} only apply to a module "
-                    f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
-                    "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
-            return next(iter(self.module.parameters())).device, None, None
-        device = _as_device(device_ids[0], types[0])
-        if device not in devices:
-            raise ValueError(f"device_ids names {device}, but the module's parameters are on "
-                             f"{next(iter(devices))}. HINT: move the module there with .to({str(device)!r}).")
-        output = device if output_device is None else _as_device(output_device, types[0])
-        return device, [device.index], output
 
     def _verify_same_parameters(self, local_error: Exception | None) -> None:
         """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
@@ -165,7 +123,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             return  # the caller raises this rank's own error
         everyone = [tensors for _, tensors in gathered]
         for rank in range(1, self.world_size):
-            problem = _first_difference(everyone[0], everyone[rank], rank)
+            problem = first_difference(everyone[0], everyone[rank], rank)
             if problem:
                 raise RuntimeError(
                     f"DistributedDataParallel needs the same parameters and buffers on every rank, but "
@@ -239,7 +197,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
-            inputs, kwargs = _to_device(inputs, self.device), _to_device(kwargs, self.device)
+            inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
         if self.reducer is None:
             return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
@@ -261,14 +219,14 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
-            outputs = [t for t in _find_tensors(output) if t.requires_grad]
+            outputs = [t for t in find_tensors(output) if t.requires_grad]
             # with static_graph the first iteration's hook counts decide, as in torch
             search = self.find_unused_parameters and not self.static_graph
-            unused = self._unreached_parameters(outputs) if search else ()
+            unused = unreached_parameters(outputs, self.reducer.index_of) if search else ()
             self.reducer.prepare_for_backward(unused)
             # the hooks say where backward ends: look into a plain output object too (torch's
             # search above does not, and find_unused_parameters keeps its answer)
-            hooked = outputs or [t for t in _find_tensors(output, attributes=True) if t.requires_grad]
+            hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]
             for t in hooked:
                 if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
                     t.register_hook(self.reducer.output_gradient_hook())
@@ -276,30 +234,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             self.require_forward_param_sync = False
             self.reducer.prepare_for_local_backward()
         return output
-
-    def _unreached_parameters(self, outputs: list[torch.Tensor]) -> list[int]:
-        """Indices of the parameters the outputs' autograd graph does not reach (torch's search)."""
-        index_of = self.reducer.index_of
-        reached: set[int] = set()
-        stack = []
-        for t in outputs:
-            if t.grad_fn is not None:
-                stack.append(t.grad_fn)
-            elif id(t) in index_of:
-                reached.add(index_of[id(t)])
-        seen = set(stack)
-        while stack:
-            fn = stack.pop()
-            variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
-            if variable is not None:
-                if id(variable) in index_of:
-                    reached.add(index_of[id(variable)])
-                continue
-            for nxt, _ in fn.next_functions:
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return [i for i in range(len(index_of)) if i not in reached]
 
     # ---- buffers -------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
@@ -348,49 +282,6 @@ def _default_group():
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _bucket_caps(bucket_cap_mb: float | None, device: torch.device) -> tuple[int, int]:
-    """(cap, first cap): torch's small first bucket, with the default cap, on GPUs only.
-
-    On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
-    launched during backward preempts it (2 ranks on 2 cores: about 5 more involuntary context
-    switches and 1 to 1.5 ms more per step for one more bucket), which the 1 MiB it overlaps does not
-    pay back. So every CPU bucket holds up to the cap; models above it still overlap.
-    """
-    if bucket_cap_mb is None:
-        bucket_cap_mb = _DEFAULT_BUCKET_CAP_MB
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
-                         "bucket per parameter).")
-    cap = max(1, int(bucket_cap_mb * _MIB))
-    small_first = bucket_cap_mb == _DEFAULT_BUCKET_CAP_MB and device.type != "cpu"
-    return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap
-
-
-def _as_device(device: int | str | torch.device, device_type: str) -> torch.device:
-    if isinstance(device, int):
-        return torch.device(device_type, device)
-    device = torch.device(device)
-    if device.index is None and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
-    def describe(entry: tuple, r: int) -> str:
-        name, shape, dtype, requires_grad = entry
-        frozen = ", requires_grad=False" if requires_grad is False else ""
-        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
-
-    for i, (a, b) in enumerate(zip(ref, other)):
-        if a != b:
-            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
-    if len(ref) != len(other):
-        longer, r = (ref, 0) if len(ref) > len(other) else (other, rank)
-        return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
-                f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
-    return None
-
-
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
     """Broadcast ``tensors`` from group rank ``src`` as a few flat tensors per (device, dtype)."""
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
@@ -414,33 +305,3 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
                     torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
 
 
-def _find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: tensors, lists, tuples, dicts, dataclasses; with
-    ``attributes`` also those a plain object holds (one level: no cycles to follow)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _find_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _find_tensors(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from _find_tensors(getattr(obj, field.name))
-    elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)):
-        for item in vars(obj).values():
-            yield from _find_tensors(item)
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) input to ``device``, as torch's DDP does with device_ids."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj

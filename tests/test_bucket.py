@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, assign_buckets
-from ddpkit.distributed import _bucket_caps
+from ddpkit.ddp_arguments import bucket_caps as _bucket_caps
 
 
 def _bucket() -> Bucket:

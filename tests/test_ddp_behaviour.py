@@ -530,15 +530,23 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
     built: list[weakref.ref] = []
     alive_then: list[int] = []
 
+    def alive() -> int:
+        return sum(ref() is not None for ref in built)
+
     class RecordingBucket(ddpkit.reducer.Bucket):
         def __init__(self, *args, **kwargs):
-            alive_then.append(sum(ref() is not None for ref in built))
+            if len(built) >= first_count[0]:  # a rebuild: Gloo's worker thread may hold the last
+                deadline = time.monotonic() + 5  # all-reduce's buffer a moment after wait() returned
+                while alive() > len(built) - first_count[0] and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            alive_then.append(alive())
             super().__init__(*args, **kwargs)
             built.append(weakref.ref(self.flat))
 
+    first_count = [10**9]  # no waiting while the first buckets are built
     ddpkit.reducer.Bucket = RecordingBucket
     ddp = ddpkit.DDP(_mlp(16, 3), bucket_cap_mb=0.001)
-    first = len(ddp.reducer.buckets)
+    first = first_count[0] = len(ddp.reducer.buckets)
     for _ in range(2):  # the second forward rebuilds the buckets
         ddp(torch.randn(2, 16)).sum().backward()
     assert len(alive_then) == 2 * first, "the buckets were not rebuilt"

@@ -1,0 +1,114 @@
+"""DistributedDataParallel's construction checks: torch's rules for its arguments, said clearly.
+
+Each check raises with the argument, its value and the fix; ``DistributedDataParallel`` runs them
+all on every rank and shares any failure, so that no rank is left waiting for another.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ddpkit.bucket import DEFAULT_FIRST_BUCKET_BYTES
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
+           "refuse_sparse_gradients", "refuse_uninitialized"]
+
+_MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+
+
+def bucket_caps(bucket_cap_mb: float | None, device: torch.device) -> tuple[int, int]:
+    """(cap, first cap) in bytes: torch's small first bucket, with the default cap, on GPUs only.
+
+    On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
+    launched during backward preempts it (2 ranks on 2 cores: about 5 more involuntary context
+    switches and 1 to 1.5 ms more per step for one more bucket), which the 1 MiB it overlaps does not
+    pay back. So every CPU bucket holds up to the cap; models above it still overlap.
+    """
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
+                         "bucket per parameter).")
+    cap = max(1, int(bucket_cap_mb * _MIB))
+    small_first = bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and device.type != "cpu"
+    return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap
+
+
+def check_devices(module: nn.Module, device_ids: Sequence[int | torch.device] | None,
+                  output_device: int | torch.device | None
+                  ) -> tuple[torch.device, list[int] | None, torch.device | None]:
+    """torch's rules: device_ids only for a module on one GPU, and then a single device.
+
+    Returns (the module's device, device_ids as torch stores them, output_device).
+    """
+    devices = {p.device for p in module.parameters()}
+    types = sorted({d.type for d in devices})
+    if len(types) != 1:
+        raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
+                         f"device, found {types}. HINT: move the whole module with .to(device).")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids={list(device_ids)}: DistributedDataParallel drives one device "
+                         "per process, so device_ids can only be None or contain a single element. "
+                         "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
+    if not device_ids or types[0] == "cpu" or len(devices) > 1:
+        if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
+            raise ValueError(
+                f"device_ids={device_ids} and output_device={output_device} only apply to a module "
+                f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
+                "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
+        return next(iter(module.parameters())).device, None, None
+    device = _as_device(device_ids[0], types[0])
+    if device not in devices:
+        raise ValueError(f"device_ids names {device}, but the module's parameters are on "
+                         f"{next(iter(devices))}. HINT: move the module there with .to({str(device)!r}).")
+    output = device if output_device is None else _as_device(output_device, types[0])
+    return device, [device.index], output
+
+
+def refuse_uninitialized(module: nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
+                "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
+                "forward pass on a sample batch before wrapping the model.")
+
+
+def refuse_sparse_gradients(module: nn.Module) -> None:
+    """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket."""
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
+            where = f"{name}.weight" if name else "weight"
+            raise NotImplementedError(
+                f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
+                f"ones ({type(child).__name__}(sparse=True)). HINT: build it with sparse=False, "
+                "or use torch.nn.parallel.DistributedDataParallel, which averages sparse gradients.")
+
+
+def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
+    """How rank ``rank``'s (name, shape, dtype, requires_grad) list first differs from rank 0's."""
+    def describe(entry: tuple, r: int) -> str:
+        name, shape, dtype, requires_grad = entry
+        frozen = ", requires_grad=False" if requires_grad is False else ""
+        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
+
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
+    if len(ref) != len(other):
+        longer, r = (ref, 0) if len(ref) > len(other) else (other, rank)
+        return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
+                f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
+    return None
+
+
+def _as_device(device: int | str | torch.device, device_type: str) -> torch.device:
+    if isinstance(device, int):
+        return torch.device(device_type, device)
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
