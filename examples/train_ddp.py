@@ -24,11 +24,7 @@ import os
 import signal
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-import ddpkit
+import ddpkit  # before torch: it imports torch without the warning a missing numpy would print
 from ddpkit.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
@@ -36,6 +32,10 @@ from ddpkit.checkpoint import (
     restore_rng_state,
     unwrap_model,
 )
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 IN_FEATURES = 16
 

@@ -16,6 +16,7 @@
 # NODE_TIMEOUT seconds without a heartbeat from a node's launcher before the others count it as
 #              lost and stop (default 30)
 # RESTARTS     restart every node's workers up to this many times after a failure (default 0)
+# PYTHON       the interpreter to run (default python3)
 #
 # A failure on any node stops the workers on every node; each launcher exits with the failing
 # worker's exit code, and the failing node prints its traceback.
@@ -25,7 +26,7 @@ set -euo pipefail
 SCRIPT=${1:?usage: launch/multi_node.sh SCRIPT [ARGS...]}
 shift
 
-exec python -m ddpkit run \
+exec "${PYTHON:-python3}" -m ddpkit run \
     --nnodes "$NNODES" \
     --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" \

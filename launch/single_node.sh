@@ -9,6 +9,7 @@
 #           (default: gpu if nvidia-smi sees one, else 2)
 # LOG_DIR   if set, each rank's output is also written to LOG_DIR/attempt_<k>/rank_<r>.log
 # RESTARTS  restart the whole group up to this many times after a failure (default 0)
+# PYTHON    the interpreter to run (default python3)
 #
 # No --master-port is needed: the launcher holds its own free loopback port, so two jobs on one
 # machine never collide. The first failing worker stops the job; its traceback is in the summary.
@@ -20,7 +21,7 @@ fi
 SCRIPT=${1:-examples/train_ddp.py}
 shift || true
 
-exec python -m ddpkit run \
+exec "${PYTHON:-python3}" -m ddpkit run \
     --nproc-per-node "$NPROC" \
     --max-restarts "${RESTARTS:-0}" \
     ${LOG_DIR:+--log-dir "$LOG_DIR"} \

@@ -7,7 +7,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 launch/torchrun.sh examples/train_ddp.py   # each node
 #
 # NPROC (default gpu if nvidia-smi sees one, else 2), NNODES (default 1), NODE_RANK (default 0),
-# MASTER_ADDR / MASTER_PORT (several nodes only; default port 29500).
+# MASTER_ADDR / MASTER_PORT (several nodes only; default port 29500), PYTHON (default python3).
 # 'ddpkit run' takes the same flags; swap 'python -m torch.distributed.run' for 'python -m ddpkit run'.
 set -euo pipefail
 
@@ -18,10 +18,10 @@ SCRIPT=${1:?usage: launch/torchrun.sh SCRIPT [ARGS...]}
 shift
 
 if [[ "${NNODES:-1}" == 1 ]]; then
-    exec python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$SCRIPT" "$@"
+    exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$SCRIPT" "$@"
 fi
 : "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}"
-exec python -m torch.distributed.run \
+exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
     --nproc-per-node "$NPROC" "$SCRIPT" "$@"
