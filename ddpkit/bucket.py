@@ -94,17 +94,20 @@ class Bucket:
         self.numel = sum(p.numel() for p in params)
         first = params[0]
         self.flat = torch.zeros(self.numel + extra, dtype=first.dtype, device=first.device)
-        self._buffer = self.flat[: self.numel] if extra else self.flat
+        # the bucket's own gradients, which the views point into; a comm hook may hand the
+        # collective another buffer (set_buffer), whose result is copied back here
+        self.grad_data = self.flat[: self.numel] if extra else self.flat
+        self._buffer = self.grad_data
         self.flag = self.flat[self.numel:] if extra else None
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
             # shaped and strided like the parameter (a channels_last weight keeps its layout), as
             # torch's bucket views are: with gradient_as_bucket_view they become the gradients
-            self.views.append(self._buffer.as_strided(p.shape, _dense_strides(p), offset))
+            self.views.append(self.grad_data.as_strided(p.shape, _dense_strides(p), offset))
             offset += p.numel()
         self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in params)
-        self.small_region = self._buffer[sum(p.numel() for p in params[: self.num_big]):]
+        self.small_region = self.grad_data[sum(p.numel() for p in params[: self.num_big]):]
         self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
         self.has_none = False
 
@@ -194,8 +197,26 @@ class Bucket:
         return [self.views[pos] for pos in self._given_order]
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the bucket's contents with ``tensor`` (same number of elements)."""
-        self._buffer.copy_(tensor.reshape(-1))
+        """Make ``tensor`` what ``buffer()`` returns, as torch's does (torch's fp16_compress_wrapper
+        swaps in a half-precision copy this way, so that the hook it wraps sends half the bytes)."""
+        self._buffer = tensor
+
+    def restore_buffer(self) -> None:
+        """``buffer()`` is the bucket's own gradients again (at the start of an iteration)."""
+        self._buffer = self.grad_data
+
+    def take_result(self, result: torch.Tensor, hook_name: str) -> None:
+        """Copy a comm hook's result into the bucket's gradients, unless it already is them."""
+        if result is self.grad_data:
+            return
+        if not isinstance(result, torch.Tensor) or result.numel() != self.numel:
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
+            raise RuntimeError(
+                f"comm hook {hook_name}'s future for bucket {self._index} holds {got}, but the bucket "
+                f"has {self.numel} elements. HINT: complete the future with the reduced "
+                "bucket.buffer() (a tensor of the same size), as ddpkit.hooks.allreduce_hook does.")
+        self.grad_data.copy_(result.reshape(-1))
 
     def __repr__(self) -> str:
         return (f"Bucket(index={self._index}, params={len(self.params)}, numel={self.numel}, "

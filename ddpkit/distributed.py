@@ -268,7 +268,11 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
-        if self.reducer is not None:  # a world of one has nothing to average: the hook never runs
+        if self.reducer is None and self.process_group is not None:
+            # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
+            # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
+            self.reducer = self._make_reducer(self._parameters_to_reduce())
+        if self.reducer is not None:  # no process group at all: no collective the hook could call
             self.reducer.register_comm_hook(state, hook)
 
 

@@ -305,8 +305,16 @@ class Reducer:
         with outside_backward_python_context():
             if self.comm_hook is None:
                 self._works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
-            else:
-                self._works.append(self.comm_hook(self.comm_state, bucket))
+                return
+            bucket.restore_buffer()
+            future = self.comm_hook(self.comm_state, bucket)
+            if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
+                raise TypeError(
+                    f"DistributedDataParallel on rank {self.rank}: comm hook {_name_of(self.comm_hook)} "
+                    f"returned {type(future).__name__} for bucket {bucket.index()}, but must return a "
+                    "torch.futures.Future of the reduced bucket. HINT: return e.g. "
+                    "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).")
+            self._works.append(future)
 
     def _fill(self, bucket: Bucket) -> None:
         if self._join_work is not None:
@@ -381,10 +389,9 @@ class Reducer:
         for bucket, work in zip(self.buckets, self._works):
             result = work.wait()
             if self.comm_hook is not None:
-                if isinstance(result, (list, tuple)):
+                if isinstance(result, (list, tuple)) and len(result) == 1:
                     result = result[0]
-                if result is not bucket.buffer():
-                    bucket.buffer().copy_(result)
+                bucket.take_result(result, _name_of(self.comm_hook))
 
     def _check(self, tail, missing: list[int]) -> None:
         """Record globally unused parameters, or raise on every rank if a gradient was missing."""
@@ -417,3 +424,7 @@ class Reducer:
             self._used_locally = [False] * len(self.params)
             self.iterations += 1
         self._reset_iteration()
+
+
+def _name_of(hook: Callable) -> str:
+    return repr(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)

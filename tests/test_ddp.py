@@ -203,11 +203,14 @@ def _model(name: str) -> nn.Module:
 
 
 def _hook(kind: str, name: str):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if name == "fp16_wrapped_allreduce":  # torch's wrapper swaps in a half buffer (set_buffer)
+        return default_hooks.fp16_compress_wrapper(_hook(kind, "allreduce_hook"))
     if kind == "ddpkit":
         import ddpkit.hooks
 
         return getattr(ddpkit.hooks, name)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     def reference(state, bucket):  # torch refuses its bf16 hook by name off NCCL; it runs on Gloo
         return getattr(default_hooks, name)(state, bucket)
@@ -371,6 +374,7 @@ CONFIGS = {
     "allreduce_hook": {"hook": "allreduce_hook", "kwargs": {"bucket_cap_mb": 0.0003}},
     "fp16_hook": {"hook": "fp16_compress_hook"},
     "bf16_hook": {"hook": "bf16_compress_hook"},
+    "fp16_wrapper_of_allreduce_hook": {"hook": "fp16_wrapped_allreduce", "model": "wide", "steps": 3},
     "find_unused_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
                                             "kwargs": {"find_unused_parameters": True}},
     "find_unused_zeroed_after_forward": {"model": "unused", "zero_grad_after_forward": True,

@@ -79,6 +79,19 @@ def _misuse_worker() -> dict[str, str | None]:
             ddp(torch.ones(2, 4), uses).sum().backward()
 
     out["static_graph_grew"] = _error_of(static_graph_grew)
+
+    def hook_returning(make):
+        hooked = ddpkit.DDP(_mlp())
+        hooked.register_comm_hook(None, lambda state, bucket: make(bucket))
+        hooked(torch.ones(2, 8)).sum().backward()
+
+    def completed(value):
+        future = torch.futures.Future()
+        future.set_result(value)
+        return future
+
+    out["hook_returns_tensor"] = _error_of(lambda: hook_returning(lambda bucket: bucket.buffer()))
+    out["hook_wrong_size"] = _error_of(lambda: hook_returning(lambda bucket: completed(torch.zeros(3))))
     late = ddpkit.DDP(_mlp())
     late(torch.ones(2, 8)).sum().backward()
     out["late_static_graph"] = _error_of(late._set_static_graph)
@@ -185,6 +198,9 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "averaged, but forward pass 2" in out["older_graph"]
         assert "previous backward() had not finished" in out["after_failed_backward"]
         assert out["failed_before_any_gradient"] is True
+        assert f"rank {rank}: comm hook '_misuse_worker.<locals>.hook_returning.<locals>.<lambda>' " \
+               "returned Tensor for bucket 0, but must return a torch.futures.Future" in out["hook_returns_tensor"]
+        assert "for bucket 0 holds a tensor of 3 elements, but the bucket has 216 elements" in out["hook_wrong_size"]
         assert f"rank {rank}: _set_static_graph() came after 1 forward pass(es)" in out["late_static_graph"]
         assert len(out["backward_twice"]) == 1, out["backward_twice"]  # once per backward
         assert f"DistributedDataParallel on rank {rank}: a gradient for '2.bias' arrived after this " \
@@ -228,6 +244,31 @@ def test_deepcopy_and_torch_save_of_the_wrapper_make_a_working_ddp():
     for out in run_ranks(_copies_worker, 2, timeout=45):
         assert out["deepcopy"] is True and out["torch.load"] is True and out["original_untouched"]
         assert "pickled or deep-copied only when it uses the default process group" in out["subgroup"]
+
+
+def _group_of_one_hook_worker() -> dict:
+    """torchrun --nproc-per-node 1: a group of one, where torch's DDP still runs the comm hook."""
+    def halve(state, bucket):
+        return completed(bucket.buffer() / 2)
+
+    def completed(value):
+        future = torch.futures.Future()
+        future.set_result(value)
+        return future
+
+    grads = {}
+    for name, cls in (("ddpkit", ddpkit.DDP), ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp = cls(_mlp())
+        ddp.register_comm_hook(None, halve)
+        ddp(torch.ones(2, 8)).sum().backward()
+        grads[name] = [p.grad.clone() for p in ddp.parameters()]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(grads["ddpkit"], grads["torch"]))}
+
+
+@pytest.mark.timeout(60)
+def test_a_comm_hook_runs_in_a_process_group_of_one_as_in_torch():
+    assert run_ranks(_group_of_one_hook_worker, 1, timeout=45) == [{"equal": True}]
 
 
 def _forbid_torch_ddp() -> None:
