@@ -70,6 +70,7 @@ class Reducer:
         self.forwards = 0  # synced forward passes
         self._write_mask: list[bool] | None = None  # False: globally unused, leave .grad alone
         self._static_unused: list[int] = []
+        self._last_used_map = torch.zeros(len(self.params), dtype=torch.int32)  # see _launch_tail
         # static_graph: how often each parameter's hook fired in the first iteration (reentrant
         # checkpointing fires it once per reentrant backward that uses the parameter)
         self._hook_counts = [0] * len(self.params)
@@ -377,8 +378,12 @@ class Reducer:
     def _launch_tail(self, missing: bool, shadow: bool = False):
         """The collective after the buckets: used-map, or status flag when a comm hook hides ours."""
         if self._tolerant:
-            used = torch.tensor([0] * len(self.params) if shadow else self._used, dtype=torch.int32)
-            used |= torch.tensor(self._used_locally, dtype=torch.int32)  # gradients of no_sync steps
+            if shadow:  # torch's joined rank sends its last all-reduced map again: a parameter any
+                used = self._last_used_map  # rank used then counts as used (zeros, not None)
+            else:
+                used = torch.tensor(self._used, dtype=torch.int32)
+                used |= torch.tensor(self._used_locally, dtype=torch.int32)  # no_sync steps' too
+            self._last_used_map = used  # reduced in place
             return used, dist.all_reduce(used, group=self.group, async_op=True)
         if self.comm_hook is not None:
             status = torch.tensor([int(missing)], dtype=torch.int32)
