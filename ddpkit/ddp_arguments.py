@@ -19,21 +19,15 @@ _MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
 
 
-def bucket_caps(bucket_cap_mb: float | None, device: torch.device) -> tuple[int, int]:
-    """(cap, first cap) in bytes: torch's small first bucket, with the default cap, on GPUs only.
-
-    On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
-    launched during backward preempts it (2 ranks on 2 cores: about 5 more involuntary context
-    switches and 1 to 1.5 ms more per step for one more bucket), which the 1 MiB it overlaps does not
-    pay back. So every CPU bucket holds up to the cap; models above it still overlap.
-    """
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only."""
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
                          "bucket per parameter).")
     cap = max(1, int(bucket_cap_mb * _MIB))
-    small_first = bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and device.type != "cpu"
+    small_first = bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
     return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap
 
 

@@ -77,7 +77,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
                 refuse_sparse_gradients(module)
             self.device, self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
-            self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb, self.device)
+            self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         if self.world_size > 1:

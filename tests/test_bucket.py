@@ -57,14 +57,12 @@ def test_a_tensor_over_the_cap_gets_a_bucket_of_its_own():
     assert assign_buckets(params, [3, 2, 1, 0], cap_bytes=100) == [[3, 2, 1], [0]]
 
 
-def test_cpu_buckets_fill_to_the_cap_and_gpu_ones_start_with_torchs_small_first_bucket():
+def test_torchs_small_first_bucket_comes_with_the_default_cap_only():
     mib = 1024 * 1024
-    assert _bucket_caps(None, torch.device("cpu")) == (25 * mib, 25 * mib)
-    assert _bucket_caps(25, torch.device("cpu")) == (25 * mib, 25 * mib)
-    assert _bucket_caps(25, torch.device("cuda", 0)) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
-    assert _bucket_caps(None, torch.device("cuda", 0)) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
-    assert _bucket_caps(0.5, torch.device("cuda", 0)) == (mib // 2, mib // 2)  # a cap of the user's own
+    assert _bucket_caps(None) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    assert _bucket_caps(25) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    assert _bucket_caps(0.5) == (mib // 2, mib // 2)  # a cap of the user's own
+    assert _bucket_caps(0) == (1, 1)  # one bucket per parameter
     layers = [torch.empty(64 * 64) for _ in range(200)]  # 3.2 MiB in 16 KiB tensors
     order = list(reversed(range(200)))
-    assert len(assign_buckets(layers, order, *_bucket_caps(None, torch.device("cpu")))) == 1
-    assert [len(b) for b in assign_buckets(layers, order, 25 * mib, DEFAULT_FIRST_BUCKET_BYTES)] == [64, 136]
+    assert [len(b) for b in assign_buckets(layers, order, *_bucket_caps(None))] == [64, 136]

@@ -202,8 +202,21 @@ def _model(name: str) -> nn.Module:
     raise ValueError(name)
 
 
+def _bucket_norm_hook(state, bucket):
+    """Scales each bucket by its own norm: equal results need torch's buckets exactly."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.div_(1 + buffer.norm())
+    world = dist.get_world_size()
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0] / world)
+
+
 def _hook(kind: str, name: str):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if name == "bucket_norm":
+        return _bucket_norm_hook
 
     if name == "fp16_wrapped_allreduce":  # torch's wrapper swaps in a half buffer (set_buffer)
         return default_hooks.fp16_compress_wrapper(_hook(kind, "allreduce_hook"))
@@ -382,6 +395,13 @@ CONFIGS = {
     "fp16_hook": {"hook": "fp16_compress_hook"},
     "bf16_hook": {"hook": "bf16_compress_hook"},
     "fp16_wrapper_of_allreduce_hook": {"hook": "fp16_wrapped_allreduce", "model": "wide", "steps": 3},
+    # a hook acting on whole buckets: torch's layout before and after the rebuild, small first bucket
+    "bucket_norm_hook": {"hook": "bucket_norm", "model": "wide", "steps": 3},
+    "bucket_norm_hook_tiny_buckets": {"hook": "bucket_norm", "kwargs": {"bucket_cap_mb": 0.0003}},
+    "bucket_norm_hook_find_unused": {"hook": "bucket_norm", "model": "unused",
+                                     "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0003}},
+    "bucket_norm_hook_static_graph": {"hook": "bucket_norm", "steps": 5,
+                                      "kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
     "find_unused_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
                                             "kwargs": {"find_unused_parameters": True}},
     "find_unused_zeroed_after_forward": {"model": "unused", "zero_grad_after_forward": True,

@@ -299,7 +299,7 @@ def _properties_worker() -> dict:
         events.append("launch")
         return real_all_reduce(*args, **kwargs)
 
-    ddp = ddpkit.DDP(_mlp(256, 4), bucket_cap_mb=0.25)
+    ddp = ddpkit.DDP(_mlp(256, 4), bucket_cap_mb=0.25)  # also in the first backward
     ddp.module[0].weight.register_post_accumulate_grad_hook(lambda p: events.append("layer0"))
     dist.all_reduce = recording_all_reduce
     try:
@@ -343,8 +343,9 @@ def _properties_worker() -> dict:
     hooked.register_comm_hook(group, averaging_hook)
     torch.manual_seed(0)
     plain = ddpkit.DDP(_mlp(), bucket_cap_mb=0.0003)
-    for ddp in (hooked, plain):
-        ddp(torch.full((2, 8), rank + 1.0)).square().sum().backward()
+    for _ in range(2):  # the first backward before the rebuild, the second after it
+        for ddp in (hooked, plain):
+            ddp(torch.full((2, 8), rank + 1.0)).square().sum().backward()
     out["hook_calls"] = seen
     out["hook_diff"] = max((p.grad - q.grad).abs().max().item()
                            for p, q in zip(hooked.parameters(), plain.parameters()))
@@ -366,7 +367,8 @@ def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
         assert out["buckets"] == 4 and out["launches"] == 4
         assert out["launched_before_layer0"] >= 3, "all-reduces did not start before layer 0's gradient"
         assert out["full_batch_diff"] < 1e-6
-        assert out["hook_calls"] == [(0, False, 3), (1, True, 3)]  # 6 tensors of 288 and 32 bytes
+        # torch's layout: one bucket before the rebuild, then 6 tensors of 288 and 32 bytes in two
+        assert out["hook_calls"] == [(0, True, 6), (0, False, 3), (1, True, 3)]
         assert out["hook_diff"] < 1e-6
 
 
@@ -590,7 +592,7 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
     first = first_count[0] = len(ddp.reducer.buckets)
     for _ in range(2):  # the second forward rebuilds the buckets
         ddp(torch.randn(2, 16)).sum().backward()
-    assert len(alive_then) == 2 * first, "the buckets were not rebuilt"
+    assert len(alive_then) > first + 1, "the buckets were not rebuilt into several"
     return alive_then[first:]
 
 
