@@ -26,7 +26,6 @@ One iteration, seen from here:
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,7 +33,8 @@ import torch.distributed as dist
 
 from ddpkit.autograd_engine import (gradient_accumulator, outside_backward_python_context,
                                     queue_end_of_backward_callback)
-from ddpkit.bucket import Bucket, assign_buckets, copy_in
+from ddpkit.bucket import Bucket, copy_in
+from ddpkit.bucket_layout import initial_groups, rebuilt_groups
 from ddpkit.comm import all_gather_object
 from ddpkit.reducer_errors import (late_gradient_warning, second_gradient_error, static_graph_changed_error,
                                    unused_gradient_error, warn_at_user_code)
@@ -65,7 +65,7 @@ class Reducer:
         # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
         # change from one iteration to the next (find_unused_parameters without static_graph).
         self._rebuilt = find_unused_parameters and not static_graph
-        self._build(*self._initial_layout(), registration_order=True)
+        self._build(self._initial_groups())
         self._record: list[int] | None = None if self._rebuilt else []
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
@@ -88,47 +88,12 @@ class Reducer:
                          for i, acc in enumerate(self._accumulators)]
 
     # ---- buckets -------------------------------------------------------------------------------
-    def _initial_layout(self) -> tuple[list[int], int, int, bool]:
-        """The buckets before the rebuild: in reverse registration order (the expected order of
-        gradients), so that the first backward overlaps too.
+    def _initial_groups(self) -> list[list[int]]:
+        return initial_groups(self.params, self._cap, self._first_cap, hooked=self.comm_hook is not None,
+                              rebuilt_later=not self._rebuilt)
 
-        With a comm hook, torch's, which a hook acting on whole buckets must see: one bucket until
-        the rebuild; without a rebuild (find_unused_parameters), groups formed in registration
-        order and launched last first.
-        """
-        registration = list(range(len(self.params)))
-        if self.comm_hook is None:
-            return registration[::-1], self._cap, self._rebuilt_first_cap(), False
-        if self._rebuilt:
-            return registration, self._cap, self._first_cap, True
-        return registration, sys.maxsize, sys.maxsize, True
-
-    def _rebuilt_first_cap(self) -> int:
-        """torch's small first bucket, except on CPU without a comm hook.
-
-        On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a
-        bucket launched during backward preempts it (2 ranks on 2 cores: about 5 more involuntary
-        context switches and 1 to 1.5 ms more per step for one more bucket), which the 1 MiB it
-        overlaps does not pay back. So every CPU bucket holds up to the cap; models above it still
-        overlap. A comm hook gets torch's buckets exactly: it may act on each as a whole.
-        """
-        if self.params[0].device.type == "cpu" and self.comm_hook is None:
-            return self._cap
-        return self._first_cap
-
-    def _build(self, order: list[int], cap: int, first_cap: int, last_first: bool = False,
-               registration_order: bool = False) -> None:
-        """(Re)create the buckets walking ``order``; the last one carries the status flag.
-
-        ``last_first``: the groups launch in the reverse of ``order`` (torch's buckets before
-        their rebuild, in registration order, the last layer's first). ``registration_order``:
-        each bucket lists its parameters as the module registers them.
-        """
-        groups = assign_buckets(self.params, order, cap, first_cap)
-        if last_first:
-            groups.reverse()
-        if registration_order:  # as torch lists a bucket's parameters before the rebuild
-            groups = [sorted(indices) for indices in groups]
+    def _build(self, groups: list[list[int]]) -> None:
+        """(Re)create the buckets, in launch order; the last one carries the status flag."""
         last = len(groups) - 1
         self.buckets = []  # the old buffers go before the new ones are allocated, as in torch
         self.buckets = [Bucket(k, [self.params[i] for i in idx], idx, k == last, extra=int(k == last))
@@ -165,7 +130,8 @@ class Reducer:
         order = list(self._record or ()) + [i for i in reversed(range(len(self.params))) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64)
         dist.broadcast(order_t, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self._build(order_t.tolist(), self._cap, self._rebuilt_first_cap())
+        self._build(rebuilt_groups(self.params, order_t.tolist(), self._cap, self._first_cap,
+                                   hooked=self.comm_hook is not None))
         self._rebuilt, self._record = True, None
         self._reset_iteration()  # the pending counts are per bucket, and the buckets changed
         return True
@@ -185,7 +151,7 @@ class Reducer:
             raise RuntimeError("register_comm_hook() may be called only once per DistributedDataParallel.")
         self.comm_hook, self.comm_state = hook, state
         if not self.forwards:  # before training, as torch asks: the hook gets torch's buckets
-            self._build(*self._initial_layout(), registration_order=True)
+            self._build(self._initial_groups())
             self._reset_iteration()
 
     def set_join_count(self, work) -> None:

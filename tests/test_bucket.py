@@ -1,11 +1,14 @@
 """Buckets: the flat buffer, its views, and the order a comm hook sees (torch's GradBucket's)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from ddpkit.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, assign_buckets
+from ddpkit.bucket_layout import initial_groups, rebuilt_groups
 from ddpkit.ddp_arguments import bucket_caps as _bucket_caps
 
 
@@ -50,6 +53,25 @@ def test_buckets_are_grouped_as_torchs_ddp_groups_them(seed, first_cap, cap):
     order = torch.randperm(len(params), generator=torch.Generator().manual_seed(seed)).tolist()
     expected, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [first_cap, cap])
     assert assign_buckets(params, order, cap, first_cap) == [[order[i] for i in b] for b in expected]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("rebuilt_later", [True, False])
+def test_with_a_comm_hook_the_first_buckets_are_torchs(seed, rebuilt_later):
+    """torch 2.13: one bucket per dtype until the rebuild; without one, registration-order groups
+    with a small first limit, launched last first."""
+    params = _tensors(seed)
+    limits = [sys.maxsize] if rebuilt_later else [1024, 8192]
+    expected, _ = dist._compute_bucket_assignment_by_size(params, limits)
+    got = initial_groups(params, 8192, 1024, hooked=True, rebuilt_later=rebuilt_later)
+    assert got == list(reversed(expected))
+
+
+def test_on_cpu_without_a_hook_every_bucket_fills_to_the_cap():
+    params = [torch.empty(256) for _ in range(8)]  # 1 KiB each
+    assert initial_groups(params, 4096, 1024, hooked=False, rebuilt_later=True) == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    assert rebuilt_groups(params, list(range(8)), 4096, 1024, hooked=False) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert rebuilt_groups(params, list(range(8)), 4096, 1024, hooked=True) == [[0], [1, 2, 3, 4], [5, 6, 7]]
 
 
 def test_a_tensor_over_the_cap_gets_a_bucket_of_its_own():
