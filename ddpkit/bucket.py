@@ -97,7 +97,10 @@ class Bucket:
         # the bucket's own gradients, which the views point into; a comm hook may hand the
         # collective another buffer (set_buffer), whose result is copied back here
         self.grad_data = self.flat[: self.numel] if extra else self.flat
-        self._buffer = self.grad_data
+        # what a hook sees: complex gradients as real numbers, twice as many, as torch shows them
+        self._hook_data = (torch.view_as_real(self.grad_data).view(-1) if self.grad_data.is_complex()
+                           else self.grad_data)
+        self._buffer = self._hook_data
         self.flag = self.flat[self.numel:] if extra else None
         self.views: list[torch.Tensor] = []
         offset = 0
@@ -202,21 +205,22 @@ class Bucket:
         self._buffer = tensor
 
     def restore_buffer(self) -> None:
-        """``buffer()`` is the bucket's own gradients again (at the start of an iteration)."""
-        self._buffer = self.grad_data
+        """``buffer()`` is the bucket's own gradients again (after a hook swapped in another)."""
+        self._buffer = self._hook_data
 
     def take_result(self, result: torch.Tensor, hook_name: str) -> None:
         """Copy a comm hook's result into the bucket's gradients, unless it already is them."""
-        if result is self.grad_data:
+        own = self._hook_data
+        if result is own:
             return
-        if not isinstance(result, torch.Tensor) or result.numel() != self.numel:
+        if not isinstance(result, torch.Tensor) or result.numel() != own.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
             raise RuntimeError(
                 f"comm hook {hook_name}'s future for bucket {self._index} holds {got}, but the bucket "
-                f"has {self.numel} elements. HINT: complete the future with the reduced "
+                f"has {own.numel()} elements. HINT: complete the future with the reduced "
                 "bucket.buffer() (a tensor of the same size), as ddpkit.hooks.allreduce_hook does.")
-        self.grad_data.copy_(result.reshape(-1))
+        own.copy_(result.reshape(-1))
 
     def __repr__(self) -> str:
         return (f"Bucket(index={self._index}, params={len(self.params)}, numel={self.numel}, "

@@ -5,7 +5,7 @@ all on every rank and shares any failure, so that no rank is left waiting for an
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import nn
@@ -16,29 +16,39 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_diffe
            "refuse_sparse_gradients", "refuse_uninitialized"]
 
 _MIB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25
+class _DefaultCap(int):
+    """25, as the signature shows, but told apart from a 25 the caller passed: torch (whose default
+    is None) gives the small first bucket to the default only."""
+
+    def __repr__(self) -> str:
+        return "25"
+
+
+DEFAULT_BUCKET_CAP_MB = _DefaultCap(25)
 
 
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
-    """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only."""
+    """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only, not
+    with a cap the caller chose (even 25)."""
+    small_first = bucket_cap_mb is None or bucket_cap_mb is DEFAULT_BUCKET_CAP_MB
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
                          "bucket per parameter).")
     cap = max(1, int(bucket_cap_mb * _MIB))
-    small_first = bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
     return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap
 
 
-def check_devices(module: nn.Module, device_ids: Sequence[int | torch.device] | None,
+def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | torch.device] | None,
                   output_device: int | torch.device | None
                   ) -> tuple[torch.device, list[int] | None, torch.device | None]:
     """torch's rules: device_ids only for a module on one GPU, and then a single device.
 
-    Returns (the module's device, device_ids as torch stores them, output_device).
+    ``params``: the module's parameters that DDP handles (not those it was told to ignore).
+    Returns (their device, device_ids as torch stores them, output_device).
     """
-    devices = {p.device for p in module.parameters()}
+    devices = {p.device for p in params}
     types = sorted({d.type for d in devices})
     if len(types) != 1:
         raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
@@ -53,7 +63,7 @@ def check_devices(module: nn.Module, device_ids: Sequence[int | torch.device] | 
                 f"device_ids={device_ids} and output_device={output_device} only apply to a module "
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
                 "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
-        return next(iter(module.parameters())).device, None, None
+        return params[0].device, None, None
     device = _as_device(device_ids[0], types[0])
     if device not in devices:
         raise ValueError(f"device_ids names {device}, but the module's parameters are on "
@@ -71,11 +81,13 @@ def refuse_uninitialized(module: nn.Module) -> None:
                 "forward pass on a sample batch before wrapping the model.")
 
 
-def refuse_sparse_gradients(module: nn.Module) -> None:
-    """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket."""
+def refuse_sparse_gradients(module: nn.Module, ignored: Collection[str] = ()) -> None:
+    """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket;
+    ``ignored``: parameter names DDP leaves alone."""
     for name, child in module.named_modules():
-        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
-            where = f"{name}.weight" if name else "weight"
+        where = f"{name}.weight" if name else "weight"
+        if (isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+                and child.weight.requires_grad and where not in ignored):
             raise NotImplementedError(
                 f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
                 f"ones ({type(child).__name__}(sparse=True)). HINT: build it with sparse=False, "

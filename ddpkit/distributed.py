@@ -75,8 +75,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce()
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
-                refuse_sparse_gradients(module)
-            self.device, self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
+                refuse_sparse_gradients(module, self.parameters_to_ignore)
+            handled = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+            self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e

@@ -65,6 +65,7 @@ class Reducer:
         # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
         # change from one iteration to the next (find_unused_parameters without static_graph).
         self._rebuilt = find_unused_parameters and not static_graph
+        self._rebuilt_later = not self._rebuilt  # torch fixes its first buckets at construction
         self._build(self._initial_groups())
         self._record: list[int] | None = None if self._rebuilt else []
         self.iterations = 0  # synced backward passes, real or shadowed (join)
@@ -90,7 +91,7 @@ class Reducer:
     # ---- buckets -------------------------------------------------------------------------------
     def _initial_groups(self) -> list[list[int]]:
         return initial_groups(self.params, self._cap, self._first_cap, hooked=self.comm_hook is not None,
-                              rebuilt_later=not self._rebuilt)
+                              rebuilt_later=self._rebuilt_later)
 
     def _build(self, groups: list[list[int]]) -> None:
         """(Re)create the buckets, in launch order; the last one carries the status flag."""
@@ -127,7 +128,8 @@ class Reducer:
         if self._rebuilt or self.iterations < (2 if self.static_graph else 1):
             return False
         seen = set(self._record or ())
-        order = list(self._record or ()) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        # parameters that got no gradient go last, in registration order, as torch appends them
+        order = list(self._record or ()) + [i for i in range(len(self.params)) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64)
         dist.broadcast(order_t, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._build(rebuilt_groups(self.params, order_t.tolist(), self._cap, self._first_cap,
@@ -176,6 +178,7 @@ class Reducer:
         # zero_grad(set_to_none=True), a second set of gradients in memory that torch never keeps.
         for bucket in self.buckets:
             bucket.grads = []
+            bucket.restore_buffer()  # and a hook's stand-in buffer (set_buffer), such as an fp16 copy
 
     @property
     def _tolerant(self) -> bool:
@@ -309,7 +312,6 @@ class Reducer:
             if self.comm_hook is None:
                 self._works.append(dist.all_reduce(bucket.flat, group=self.group, async_op=True))
                 return
-            bucket.restore_buffer()
             future = self.comm_hook(self.comm_state, bucket)
             if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
                 raise TypeError(
@@ -430,6 +432,8 @@ class Reducer:
         if counted:
             self._used_locally = [False] * len(self.params)
             self.iterations += 1
+        elif self._counting:  # an abandoned first static_graph iteration: its counts are partial
+            self._hook_counts = [0] * len(self.params)
         self._reset_iteration()
 
 

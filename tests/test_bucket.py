@@ -1,6 +1,7 @@
 """Buckets: the flat buffer, its views, and the order a comm hook sees (torch's GradBucket's)."""
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from ddpkit.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, assign_buckets
 from ddpkit.bucket_layout import initial_groups, rebuilt_groups
 from ddpkit.ddp_arguments import bucket_caps as _bucket_caps
+from ddpkit.distributed import DistributedDataParallel
 
 
 def _bucket() -> Bucket:
@@ -82,7 +84,10 @@ def test_a_tensor_over_the_cap_gets_a_bucket_of_its_own():
 def test_torchs_small_first_bucket_comes_with_the_default_cap_only():
     mib = 1024 * 1024
     assert _bucket_caps(None) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
-    assert _bucket_caps(25) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    default = inspect.signature(DistributedDataParallel).parameters["bucket_cap_mb"].default
+    assert default == 25 and repr(default) == "25"  # what the signature shows, as API.md says
+    assert _bucket_caps(default) == (25 * mib, DEFAULT_FIRST_BUCKET_BYTES)
+    assert _bucket_caps(25) == (25 * mib, 25 * mib)  # a 25 the caller chose, as in torch
     assert _bucket_caps(0.5) == (mib // 2, mib // 2)  # a cap of the user's own
     assert _bucket_caps(0) == (1, 1)  # one bucket per parameter
     layers = [torch.empty(64 * 64) for _ in range(200)]  # 3.2 MiB in 16 KiB tensors

@@ -52,6 +52,9 @@ def _misuse_worker() -> dict[str, str | None]:
     out["frozen"] = _error_of(lambda: ddpkit.DDP(partly_frozen))
     out["frozen_here"] = _error_of(lambda: ddpkit.DDP(_mlp(4, 2).requires_grad_(rank == 0)))
     out["sparse"] = _error_of(lambda: ddpkit.DDP(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))))
+    ignored_sparse = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    ddpkit.DDP._set_params_and_buffers_to_ignore_for_model(ignored_sparse, ["0.weight"])
+    out["sparse_ignored"] = _error_of(lambda: ddpkit.DDP(ignored_sparse))  # DDP leaves it alone
 
     def unused(use_some: bool, hook=None, static=False, steps=1):
         ddp = ddpkit.DDP(_Branchy(), static_graph=static)
@@ -186,6 +189,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert "DistributedDataParallel wraps a torch.nn.Module, got str" in out["not_a_module"]
         assert "dense gradients only, but '0.weight' gets sparse ones (Embedding(sparse=True)). " \
                "HINT: build it with sparse=False" in out["sparse"], out["sparse"]
+        assert out["sparse_ignored"] is None
         if rank == 0:
             assert out["frozen_here"].startswith("DistributedDataParallel could not be built on rank 1")
         for key in ("unused_here", "unused_hook"):

@@ -173,6 +173,13 @@ def test_group_rank_of_an_uneven_node_is_accepted():
     assert (env.node_rank, env.local_rank) == (1, 1)
 
 
+def test_group_rank_without_local_world_size_is_not_checked_against_a_guess():
+    # LOCAL_RANK=0 alone says nothing of how many processes the node runs
+    env = detect({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "GROUP_RANK": "1",
+                  "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (env.rank, env.local_rank, env.node_rank) == (2, 0, 1)
+
+
 def test_slurm_procid_without_ntasks_says_ntasks_is_unset():
     with pytest.raises(ValueError, match=r"SLURM_PROCID=1 is set but SLURM_NTASKS is unset.*HINT"):
         detect({"SLURM_PROCID": "1", "SLURM_JOB_NODELIST": "n[1-2]"})

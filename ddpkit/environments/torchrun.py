@@ -62,7 +62,8 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                    num_nodes or -(-world_size // local_world_size), described,
                    "HINT: GROUP_RANK is this node's index (torchrun's --node-rank), counted from 0; "
                    "check it and LOCAL_WORLD_SIZE.")
-        if num_nodes in (None, world_size // local_world_size) and world_size % local_world_size == 0:
+        even = num_nodes in (None, world_size // local_world_size) and world_size % local_world_size == 0
+        if even and "LOCAL_WORLD_SIZE" in environ:  # a derived LOCAL_WORLD_SIZE is only a floor
             _check_node_start(rank, local_rank, node_rank, local_world_size)
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or None
