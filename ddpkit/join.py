@@ -110,7 +110,7 @@ def shadow_backward(reducer: Reducer) -> None:
     for bucket in reducer.buckets:
         zeros = bucket.zeros_like()
         if reducer.comm_hook is None:
-            works.append(dist.all_reduce(zeros.flat, group=reducer.group, async_op=True))
+            works.append(reducer.all_reduce_bucket(zeros))
         else:
             works.append(reducer.comm_hook(reducer.comm_state, zeros))
     tail = reducer.wait_with_tail(lambda: [work.wait() for work in works], False, shadow=True)

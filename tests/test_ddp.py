@@ -269,6 +269,10 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
             p.register_post_accumulate_grad_hook(_USER_HOOKS[cfg["user_hook"]])
     opt = SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(7 + rank)
+    if "split_bytes" in cfg and kind == "ddpkit":  # halve smaller buckets than real models need
+        import ddpkit.reducer
+
+        split_before, ddpkit.reducer.SPLIT_BUCKET_BYTES = ddpkit.reducer.SPLIT_BUCKET_BYTES, cfg["split_bytes"]
     uneven = cfg.get("uneven")
     if uneven == "last_rank_first":  # the rank that uses the 'some' branch joins first
         import torch.distributed as dist
@@ -311,6 +315,8 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
                 opt.step()
                 if not cfg.get("zero_grad_after_forward"):
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+    if "split_bytes" in cfg and kind == "ddpkit":
+        ddpkit.reducer.SPLIT_BUCKET_BYTES = split_before
     state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
     grads_none = [p.grad is None for p in ddp.parameters()]
     if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):
@@ -431,6 +437,11 @@ CONFIGS = {
     "buffer_replaced_out_of_place": {"model": "moving_average"},
     "discarded_forward_find_unused": {"discarded_forward": True, "model": "unused",
                                       "kwargs": {"find_unused_parameters": True}},
+    # a large bucket's all-reduce goes as two halves on Gloo; a joined rank must shadow both
+    "bucket_halves": {"split_bytes": 256, "kwargs": {"bucket_cap_mb": 0.0005}},
+    "bucket_halves_join": {"split_bytes": 256, "uneven": True, "model": "wide"},
+    "bucket_halves_find_unused_join": {"split_bytes": 256, "uneven": True, "model": "unused",
+                                       "kwargs": {"find_unused_parameters": True}},
     "join_uneven": {"uneven": True},
     "join_divide_by_active_ranks": {"uneven": True, "join": {"divide_by_initial_world_size": False}},
     "join_uneven_bn": {"uneven": True, "model": "bn", "kwargs": {"bucket_cap_mb": 0.0003}},
@@ -442,7 +453,7 @@ CONFIGS = {
 TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2, "complex_parameters_fp16_hook": 2e-3}
 THREE_RANKS = ["defaults", "static_graph_checkpointed_twice", "tiny_buckets", "different_init", "find_unused",
                "batchnorm_broadcast", "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view",
-               "wide_join_divide_by_active_ranks", "join_unused_user_joins_first"]
+               "wide_join_divide_by_active_ranks", "join_unused_user_joins_first", "bucket_halves_join"]
 
 
 def _check(names: list[str], results: list[list[dict]]) -> None:

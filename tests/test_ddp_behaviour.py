@@ -314,6 +314,19 @@ def _properties_worker() -> dict:
     out["launched_before_layer0"] = events.index("layer0")
     out["launches"] = events.count("launch")
 
+    # on Gloo a large bucket's all-reduce goes as two halves
+    from ddpkit import reducer as reducer_module
+
+    events.clear()
+    split_before, reducer_module.SPLIT_BUCKET_BYTES = reducer_module.SPLIT_BUCKET_BYTES, 256 * 257 * 4 + 1
+    dist.all_reduce = recording_all_reduce
+    try:
+        ddp(torch.randn(4, 256)).sum().backward()
+    finally:
+        dist.all_reduce = real_all_reduce
+        reducer_module.SPLIT_BUCKET_BYTES = split_before
+    out["halved_launches"] = events.count("launch")
+
     # gradients equal single-process training on the concatenated batch
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
@@ -369,6 +382,7 @@ def _properties_worker() -> dict:
 def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
     for out in run_ranks(_properties_worker, 2, timeout=60):
         assert out["buckets"] == 4 and out["launches"] == 4
+        assert out["halved_launches"] == 5  # the last bucket carries one more element: the status flag
         assert out["launched_before_layer0"] >= 3, "all-reduces did not start before layer 0's gradient"
         assert out["full_batch_diff"] < 1e-6
         # torch's layout: one bucket before the rebuild, then 6 tensors of 288 and 32 bytes in two
