@@ -30,7 +30,7 @@ DEFAULT_BUCKET_CAP_MB = _DefaultCap(25)
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only, not
     with a cap the caller chose (even 25)."""
-    small_first = bucket_cap_mb is None or bucket_cap_mb is DEFAULT_BUCKET_CAP_MB
+    small_first = bucket_cap_mb is None or isinstance(bucket_cap_mb, _DefaultCap)  # copies too
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:

@@ -62,7 +62,10 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.comm_hook: CommHook | None = None
-        self._split_large = dist.get_backend(process_group) == "gloo"  # see all_reduce_bucket
+        # Gloo carries CPU tensors (also where init_process_group named no backend): see
+        # all_reduce_bucket
+        backend = dist.get_backend(process_group)
+        self._split_large = self.params[0].device.type == "cpu" and ("gloo" in backend or backend == "undefined")
         self.comm_state: Any = None
         self._cap, self._first_cap = cap_bytes, first_cap_bytes
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
