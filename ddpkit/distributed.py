@@ -63,12 +63,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self.process_group = _default_group() if process_group is None else process_group
+        self._join_group(_default_group() if process_group is None else process_group)
         if self.process_group is None:  # a world of one, unless a launcher started several ranks
             require_group_when_launched("DistributedDataParallel",
                                         "each rank would train on its own, its gradients never averaged")
-        self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
-        self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
         local_error: Exception | None = None
         try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
             if not isinstance(module, nn.Module):
@@ -76,7 +74,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             named = self._parameters_to_reduce()
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
                 refuse_sparse_gradients(module, self.parameters_to_ignore)
-            handled = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+            handled = [p for _, p in self._states(buffers=False)]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
         except (TypeError, ValueError, RuntimeError) as e:
@@ -94,6 +92,12 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             self.reducer = self._make_reducer(named)
 
     # ---- construction steps --------------------------------------------------------------------
+    def _join_group(self, process_group) -> None:
+        """Use ``process_group`` (None: no process group, a world of one)."""
+        self.process_group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.rank = 0 if process_group is None else dist.get_rank(process_group)
+
     def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
         refuse_uninitialized(self.module)
         named = [(n, p) for n, p in self.module.named_parameters()
@@ -185,9 +189,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """The copy averages its own parameters' gradients over the default group; its comm hook,
         as in torch, is not carried over."""
         super().__setstate__(state)
-        self.process_group = _default_group()
-        self.world_size = 1 if self.process_group is None else dist.get_world_size(self.process_group)
-        self.rank = 0 if self.process_group is None else dist.get_rank(self.process_group)
+        self._join_group(_default_group())
         self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
 
     # ---- forward -------------------------------------------------------------------------------

@@ -36,3 +36,11 @@ def _running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.fixture
+def launched_as_rank_1_of_2(monkeypatch):
+    """The variables torchrun gives rank 1 of a 2-process job, with no process group made yet."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)

@@ -90,11 +90,8 @@ def test_save_that_fails_keeps_the_previous_checkpoint_and_no_temporary(tmp_path
 
 
 @pytest.mark.timeout(10)
-def test_save_in_a_launched_job_without_init_says_to_call_it(tmp_path, monkeypatch):
+def test_save_in_a_launched_job_without_init_says_to_call_it(tmp_path, launched_as_rank_1_of_2):
     """Rank 1 would return before rank 0 had written the file, and its load would fail."""
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError, match=r"^ddpkit\.save: this process is rank 1 of WORLD_SIZE=2 .*"
                                            r"call ddpkit.init\(\) first"):
         ddpkit.save({"w": 1}, tmp_path / "ckpt.pt")

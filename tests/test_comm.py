@@ -28,12 +28,10 @@ def test_collectives_without_any_process_group_act_as_a_world_of_one():
     lambda: ddpkit.broadcast_object(1), lambda: ddpkit.all_gather(torch.ones(1)),
     lambda: ddpkit.reduce_scatter(torch.ones(2)), ddpkit.barrier,
 ], ids=["all_reduce", "broadcast", "broadcast_object", "all_gather", "reduce_scatter", "barrier"])
-def test_a_launched_rank_without_init_is_told_to_call_it_not_left_alone(monkeypatch, call, request):
+def test_a_launched_rank_without_init_is_told_to_call_it_not_left_alone(launched_as_rank_1_of_2, call,
+                                                                         request):
     """Under torchrun without ddpkit.init(), a world of one would leave each rank its own answer."""
     assert not dist.is_initialized()
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(name, value)
     op = request.node.callspec.id
     with pytest.raises(RuntimeError, match=rf"^ddpkit\.{op}: this process is rank 1 of WORLD_SIZE=2 "
                                            r"\(launcher: torchrun\).*HINT: call ddpkit.init\(\) first"):

@@ -65,12 +65,8 @@ def test_device_ids_is_refused_with_a_pointer_to_devices():
 
 
 @pytest.mark.timeout(10)
-def test_launched_with_several_ranks_but_no_init_says_to_call_init(monkeypatch):
+def test_launched_with_several_ranks_but_no_init_says_to_call_init(launched_as_rank_1_of_2):
     assert not dist.is_initialized()
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(RuntimeError, match=r"rank 1 of WORLD_SIZE=2 .*call ddpkit.init\(\) first"):
         parallelize(_model())
 
