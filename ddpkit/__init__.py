@@ -14,20 +14,14 @@ with warnings.catch_warnings():  # torch warns at import when numpy is missing; 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch  # noqa: F401 - imported here, once, under that filter
 
-# Imported eagerly, as torch.nn.parallel does: several modules share their name with the function
-# they export (replicate, parallel_apply, data_parallel, parallelize). Importing them here, once,
-# leaves the package attribute bound to the function for good.
-from ddpkit.env import DistEnv, detect, expand_hostlist
-from ddpkit.process_group import (get_local_rank, get_rank, get_world_size, init, is_initialized,
-                                  is_main_process, shutdown)
-from ddpkit.comm import (all_gather, all_gather_object, all_reduce, barrier, broadcast,
-                         broadcast_object, reduce_scatter)
-from ddpkit.replicate import replicate
-from ddpkit.scatter_gather import gather, scatter, scatter_kwargs
-from ddpkit.parallel_apply import parallel_apply
-from ddpkit.data_parallel import DataParallel, data_parallel
-from ddpkit.distributed import DDP, DistributedDataParallel
-from ddpkit import hooks
+# The parts, one subpackage each: runtime (environment, process group, collectives), dp (DataParallel
+# and its four primitives), ddp (DistributedDataParallel), checkpoint; launch and bench load lazily.
+from ddpkit.runtime import (DistEnv, all_gather, all_gather_object, all_reduce, barrier, broadcast,
+                            broadcast_object, detect, expand_hostlist, get_local_rank, get_rank,
+                            get_world_size, init, is_initialized, is_main_process, reduce_scatter, shutdown)
+from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
+from ddpkit.ddp import DDP, DistributedDataParallel
+from ddpkit import comm, env, hooks
 from ddpkit.parallelize import parallelize
 from ddpkit.checkpoint import load, save
 from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point

@@ -45,7 +45,7 @@ def _env(argv: list[str]) -> int:
     """``ddpkit env``: the detected layout, or the one-line reason the variables are wrong."""
     import os
 
-    from ddpkit.env import detect
+    from ddpkit.runtime.env import detect
 
     if argv:
         print("usage: ddpkit env\n\nprint the DistEnv that ddpkit.init() would detect from this "

@@ -1,38 +1,6 @@
-"""Where am I in the job? ``detect(environ)`` reads the launcher's variables into a frozen ``DistEnv``.
-
-Sources, first match wins: torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
-(SLURM_PROCID, ...), MPI launchers (Open MPI, MVAPICH, PMI/PMIx), and finally the single-process
-fallback: rank 0 of a world of one. ``detect`` is pure: it reads the mapping it is given and writes
-nothing, so every case is testable with a plain dict. Each source is read by its own module in
-``ddpkit.environments``; this module fixes their order and is the public face.
-"""
+"""``ddpkit.env``: where am I in the job? The detection lives in ``ddpkit.runtime.env``."""
 from __future__ import annotations
 
-import os
-from typing import Mapping
-
-from ddpkit.environments.dist_env import DEFAULT_MASTER_PORT, LAUNCHERS, DistEnv
-from ddpkit.environments.hostlist import expand_hostlist
-from ddpkit.environments.mpi import from_mpi
-from ddpkit.environments.slurm import from_slurm
-from ddpkit.environments.torchrun import from_torchrun
+from ddpkit.runtime.env import DEFAULT_MASTER_PORT, LAUNCHERS, DistEnv, detect, expand_hostlist
 
 __all__ = ["DistEnv", "detect", "expand_hostlist", "LAUNCHERS", "DEFAULT_MASTER_PORT"]
-
-# the detection order: the most complete description of the job first
-_SOURCES = (from_torchrun, from_slurm, from_mpi)
-
-
-def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Read the job layout from ``environ`` (``os.environ`` when not given; it is only read).
-
-    Raises:
-        ValueError: the variables are incomplete or contradict each other; the message names the
-            variable, its value, and the fix.
-    """
-    environ = os.environ if environ is None else environ
-    for source in _SOURCES:
-        env = source(environ)
-        if env is not None:
-            return env
-    return DistEnv()

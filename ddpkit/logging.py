@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Generic, Iterable, Iterator, TextIO, TypeVar
 
-from ddpkit.process_group import get_rank
+from ddpkit.runtime.process_group import get_rank
 
 __all__ = ["print", "get_logger", "progress", "Progress", "TERMINAL_VARIABLE"]
 

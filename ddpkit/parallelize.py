@@ -27,16 +27,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.process_group import current_env, get_local_rank, require_group_when_launched
+from ddpkit.ddp.distributed import DistributedDataParallel
+from ddpkit.dp.data_parallel import DataParallel
+from ddpkit.runtime.process_group import current_env, get_local_rank, require_group_when_launched
 
 __all__ = ["parallelize", "local_devices"]
 
-# The contract's signatures (API.md), used when a wrapper's module is not importable to be inspected.
-_DDP_OPTIONS = ("device_ids", "output_device", "dim", "broadcast_buffers", "process_group",
-                "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph")
-_DP_OPTIONS = ("device_ids", "output_device", "dim")
 # chosen by parallelize itself: device_ids follows from the rank (DDP) or from devices= (DataParallel)
 _CHOSEN_HERE = ("module", "device_ids")
+
+
+def _options_of(cls: type) -> frozenset[str]:
+    """The keyword arguments ``cls(module, ...)`` takes, read from its signature."""
+    parameters = inspect.signature(cls).parameters.values()
+    return frozenset(p.name for p in parameters
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) - set(_CHOSEN_HERE)
+
+
+_DDP_OPTIONS = _options_of(DistributedDataParallel)
+_DP_OPTIONS = _options_of(DataParallel)
+_ALL_OPTIONS = _DDP_OPTIONS | _DP_OPTIONS | {"devices"}
 
 
 def parallelize(module: nn.Module, **options: Any) -> nn.Module:
@@ -75,10 +85,7 @@ def local_devices(devices: Sequence[Any] | None, cuda_count: int) -> list[torch.
 
 
 def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
-    from ddpkit.distributed import DistributedDataParallel
-
-    ddp_options = _accepted(DistributedDataParallel, _DDP_OPTIONS)
-    _check_options(options, "DistributedDataParallel", ddp_options)
+    _check_options(options, "DistributedDataParallel", _DDP_OPTIONS)
     env = current_env()
     if env is not None and env.device is not None:
         device = env.device
@@ -90,14 +97,12 @@ def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
     # DataParallel's output_device means "gather here"; a process of a launched job keeps its output
     # on its own device (and torch refuses output_device for a CPU module)
-    kwargs = {k: v for k, v in options.items() if k in ddp_options and k != "output_device"}
+    kwargs = {k: v for k, v in options.items() if k in _DDP_OPTIONS and k != "output_device"}
     return DistributedDataParallel(module, device_ids=device_ids, **kwargs)
 
 
 def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
-    dp_class = _data_parallel_class()
-    dp_options = _accepted(dp_class, _DP_OPTIONS) if dp_class else set(_DP_OPTIONS) - set(_CHOSEN_HERE)
-    _check_options(options, "a single process (DataParallel)", dp_options | {"devices"})
+    _check_options(options, "a single process (DataParallel)", _DP_OPTIONS | {"devices"})
     env = current_env()
     # a process that ddpkit.init() placed on the CPU (backend="gloo" on a GPU machine) stays there
     on_cpu = env is not None and env.device is not None and env.device.type == "cpu"
@@ -105,17 +110,14 @@ def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     devices = local_devices(options.get("devices"), cuda_count)
     if devices is None:
         return module.to("cuda:0") if cuda_count == 1 else module
-    if dp_class is None:
-        raise RuntimeError("parallelize needs ddpkit.DataParallel for devices=..., and "
-                           "ddpkit.data_parallel is not importable in this installation.")
-    kwargs = {k: v for k, v in options.items() if k in dp_options}
+    kwargs = {k: v for k, v in options.items() if k in _DP_OPTIONS}
     # DataParallel keeps the master copy on the first device and broadcasts it from there
-    return dp_class(module.to(devices[0]), device_ids=devices, **kwargs)
+    return DataParallel(module.to(devices[0]), device_ids=devices, **kwargs)
 
 
 def _check_options(options: dict[str, Any], wrapper: str, valid_here: set[str]) -> None:
     """Reject options no wrapper takes; the rest are used by ``wrapper`` or ignored on this path."""
-    known = _all_options()
+    known = _ALL_OPTIONS
     for name in options:
         if name == "device_ids":
             raise TypeError(
@@ -127,38 +129,6 @@ def _check_options(options: dict[str, Any], wrapper: str, valid_here: set[str]) 
             raise TypeError(
                 f"parallelize() got an unexpected option {name!r}. Valid for {wrapper}, which this "
                 f"process runs as: {listed}. Accepted but ignored here: {ignored}.")
-
-
-def _all_options() -> set[str]:
-    names = set(_DDP_OPTIONS) | set(_DP_OPTIONS) | {"devices"}
-    try:
-        from ddpkit.distributed import DistributedDataParallel
-
-        names |= _accepted(DistributedDataParallel, ())
-    except ImportError:  # not built in this checkout: the contract's names stand in
-        pass
-    dp_class = _data_parallel_class()
-    if dp_class is not None:
-        names |= _accepted(dp_class, ())
-    return names - set(_CHOSEN_HERE)
-
-
-def _accepted(cls: type, fallback: Sequence[str]) -> set[str]:
-    """The keyword arguments ``cls(module, ...)`` takes, read from its signature."""
-    try:
-        parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return set(fallback) - set(_CHOSEN_HERE)
-    return {p.name for p in parameters
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - set(_CHOSEN_HERE)
-
-
-def _data_parallel_class() -> type | None:
-    try:
-        from ddpkit.data_parallel import DataParallel
-    except ImportError:
-        return None
-    return DataParallel
 
 
 def _as_device(device: Any) -> torch.device:

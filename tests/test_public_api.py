@@ -27,10 +27,12 @@ def test_every_api_name_is_exported_and_callable():
 
 
 def test_importing_a_submodule_never_shadows_the_function_of_the_same_name():
-    for module in ("replicate", "parallel_apply", "data_parallel", "parallelize", "logging"):
+    for module in ("dp.replicate", "dp.parallel_apply", "dp.data_parallel", "parallelize", "logging"):
         importlib.import_module(f"ddpkit.{module}")
-    assert inspect.isfunction(ddpkit.data_parallel) and inspect.isfunction(ddpkit.parallelize)
-    assert inspect.isfunction(ddpkit.replicate) and inspect.isfunction(ddpkit.parallel_apply)
+    for package in (ddpkit, ddpkit.dp):
+        assert inspect.isfunction(package.data_parallel) and inspect.isfunction(package.replicate)
+        assert inspect.isfunction(package.parallel_apply)
+    assert inspect.isfunction(ddpkit.parallelize)
     out = ddpkit.data_parallel(torch.nn.Linear(3, 2), torch.ones(4, 3), device_ids=["cpu", "cpu"])
     assert out.shape == (4, 2)
 

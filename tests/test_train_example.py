@@ -25,8 +25,8 @@ GLOO = ["--backend", "gloo"]  # two workers on the CPU, also on a machine with a
 CHECKPOINTS = ["--checkpoint-every", "5"]
 CRASH_AT = "10"
 
-needs_ddp = pytest.mark.skipif(importlib.util.find_spec("ddpkit.distributed") is None,
-                               reason="ddpkit.distributed (DistributedDataParallel) is not built yet")
+needs_ddp = pytest.mark.skipif(importlib.util.find_spec("ddpkit.ddp.distributed") is None,
+                               reason="ddpkit.ddp.distributed (DistributedDataParallel) is not built yet")
 needs_launcher = pytest.mark.skipif(importlib.util.find_spec("ddpkit.launch") is None,
                                     reason="ddpkit.launch ('ddpkit run') is not built yet")
 

@@ -106,5 +106,5 @@ def buckets_table(rows: list[dict], world_size: int) -> Table:
     table.notes.append("all-reduced: bytes handed to all_reduce per step (measured); sent per rank: "
                        "x 2(n-1)/n for a ring. torch's DDP all-reduces in C++, so it is not counted.")
     if not rows:
-        table.notes.append("n/a: ddpkit.distributed is not available in this checkout.")
+        table.notes.append("n/a: ddpkit.ddp.distributed is not available in this checkout.")
     return table

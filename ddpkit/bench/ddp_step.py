@@ -63,7 +63,7 @@ class Stepper:
 def ddpkit_ddp_class() -> type | None:
     """ddpkit's own DistributedDataParallel, or None while it is not part of this checkout."""
     try:
-        from ddpkit.distributed import DistributedDataParallel
+        from ddpkit.ddp.distributed import DistributedDataParallel
     except ImportError:
         return None
     return DistributedDataParallel
@@ -77,7 +77,7 @@ def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn
     if kind == "ddpkit":
         cls = ddpkit_ddp_class()
         if cls is None:
-            raise RuntimeError("ddpkit.distributed is not available in this checkout.")
+            raise RuntimeError("ddpkit.ddp.distributed is not available in this checkout.")
         return cls(model, device_ids=device_ids, **options)
     raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
 
@@ -204,7 +204,7 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
     table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
                        "ranks): the work done, less sensitive than wall time to a busy machine.")
     if any(not r["available"] for r in rows):
-        table.notes.append("n/a: ddpkit.distributed is not available in this checkout.")
+        table.notes.append("n/a: ddpkit.ddp.distributed is not available in this checkout.")
     return table
 
 

@@ -88,7 +88,7 @@ def _trim_heap() -> None:
 def _recording_hook(kind: str, storages: dict[int, int]) -> Callable:
     """An all-reduce comm hook that also notes each bucket buffer's storage."""
     if kind == "ddpkit":
-        from ddpkit.hooks import allreduce_hook
+        from ddpkit.ddp.hooks import allreduce_hook
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -158,5 +158,5 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
     table.notes.append("steps use zero_grad(set_to_none=False); with set_to_none=True autograd "
                        "allocates fresh grads every backward and the peak does not drop with the view.")
     if not any(r["impl"] == "ddpkit" for r in rows):
-        table.notes.append("ddpkit rows n/a: ddpkit.distributed is not available in this checkout.")
+        table.notes.append("ddpkit rows n/a: ddpkit.ddp.distributed is not available in this checkout.")
     return table

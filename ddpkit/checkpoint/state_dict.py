@@ -1,0 +1,121 @@
+"""The ``module.`` prefix of wrapped models: state dicts that load into wrapped and bare models alike.
+
+A model wrapped in DDP or DataParallel has keys starting with ``module.``. ``load_state_dict`` loads
+such a dict into a wrapped or an unwrapped model, deciding by the target's own keys, and raises when
+neither fits instead of guessing.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+__all__ = ["PREFIX", "unwrap_state_dict", "wrap_state_dict", "load_state_dict", "unwrap_model"]
+
+PREFIX = "module."
+"""What DistributedDataParallel and DataParallel put in front of the wrapped module's keys."""
+
+
+def unwrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> OrderedDict[str, Any]:
+    """A copy of a wrapped model's state dict with ``prefix`` removed from every key.
+
+    Raises:
+        ValueError: some key does not start with ``prefix`` (then it is not a wrapped model's dict).
+    """
+    lacking = [k for k in state_dict if not k.startswith(prefix)]
+    if lacking:
+        raise ValueError(f"cannot unwrap: {len(lacking)} of {len(state_dict)} keys do not start with "
+                         f"{prefix!r}, e.g. {lacking[:3]}. HINT: only a state dict taken from a "
+                         "DDP/DataParallel-wrapped model has the prefix on every key.")
+    top = prefix.rstrip(".")
+
+    def module_path(path: str) -> str | None:  # the wrapper's own entry ("") has no place inside
+        return "" if path == top else path[len(prefix):] if path.startswith(prefix) else None
+
+    return _rename(state_dict, lambda k: k[len(prefix):], module_path)
+
+
+def wrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> OrderedDict[str, Any]:
+    """A copy of a state dict with ``prefix`` put in front of every key, as a wrapped model has them.
+
+    Raises:
+        ValueError: some key already starts with ``prefix`` (the dict looks wrapped already).
+    """
+    having = [k for k in state_dict if k.startswith(prefix)]
+    if having:
+        raise ValueError(f"cannot wrap: {len(having)} of {len(state_dict)} keys already start with "
+                         f"{prefix!r}, e.g. {having[:3]}. HINT: the dict is already wrapped; load it as is.")
+    top = prefix.rstrip(".")
+    return _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)
+
+
+def _rename(state_dict: Mapping[str, Any], rename_key: Callable[[str], str],
+            rename_path: Callable[[str], str | None]) -> OrderedDict[str, Any]:
+    out = OrderedDict((rename_key(k), v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        # per-module versions (BatchNorm's, for one), keyed by module path; load_state_dict reads them
+        renamed = OrderedDict()
+        for path, value in metadata.items():
+            new = rename_path(path)
+            if new is not None:
+                renamed[new] = value
+        out._metadata = renamed  # type: ignore[attr-defined]
+    return out
+
+
+def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True,
+                    prefix: str = PREFIX):
+    """``module.load_state_dict(state_dict)`` that bridges wrapped and unwrapped models.
+
+    The dict is loaded as is when its keys are the module's; with ``prefix`` stripped when every
+    key has it and that gives the module's keys; with ``prefix`` added when no key has it and that
+    gives the module's keys. Nothing else is guessed.
+
+    Returns:
+        torch's ``(missing_keys, unexpected_keys)``.
+    Raises:
+        RuntimeError: with ``strict=True``, when no variant matches; the message lists what is missing
+            and unexpected. With ``strict=False`` the variant sharing most keys is loaded non-strictly.
+    """
+    target = list(module.state_dict().keys())
+    wanted = set(target)
+    variants: list[tuple[str, Mapping[str, Any]]] = [("as is", state_dict)]
+    if state_dict and all(k.startswith(prefix) for k in state_dict):
+        variants.append((f"with {prefix!r} removed", unwrap_state_dict(state_dict, prefix)))
+    if state_dict and not any(k.startswith(prefix) for k in state_dict):
+        variants.append((f"with {prefix!r} added", wrap_state_dict(state_dict, prefix)))
+    for _, candidate in variants:
+        if set(candidate) == wanted:
+            return module.load_state_dict(candidate, strict=strict)
+    best_name, best = max(variants, key=lambda v: len(wanted & set(v[1])))
+    if not strict:
+        return module.load_state_dict(best, strict=False)
+    missing = [k for k in target if k not in best]
+    unexpected = [k for k in best if k not in wanted]
+    tried = ", ".join(name for name, _ in variants)
+    raise RuntimeError(
+        f"the state dict does not fit {type(module).__name__} (tried it {tried}). Closest, {best_name}: "
+        f"{len(missing)} of the model's keys are missing{_eg(missing)}; {len(unexpected)} keys "
+        f"are unexpected{_eg(unexpected)}. HINT: was the checkpoint saved from another model? "
+        "Pass strict=False to load the keys that match.")
+
+
+def _eg(keys: list[str]) -> str:
+    return f", e.g. {keys[:3]}" if keys else ""
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel wrappers (ddpkit's or torch's), or ``module`` itself."""
+    wrappers = _wrapper_types()
+    while isinstance(module, wrappers):
+        module = module.module
+    return module
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    from ddpkit.ddp.distributed import DistributedDataParallel  # imported late: they import checkpoints' users
+    from ddpkit.dp.data_parallel import DataParallel
+
+    return (nn.DataParallel, nn.parallel.DistributedDataParallel, DataParallel, DistributedDataParallel)

@@ -1,0 +1,120 @@
+"""DistributedDataParallel's construction checks: torch's rules for its arguments, said clearly.
+
+Each check raises with the argument, its value and the fix; ``DistributedDataParallel`` runs them
+all on every rank and shares any failure, so that no rank is left waiting for another.
+"""
+from __future__ import annotations
+
+from typing import Collection, Sequence
+
+import torch
+from torch import nn
+
+from ddpkit.ddp.bucket import DEFAULT_FIRST_BUCKET_BYTES
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
+           "refuse_sparse_gradients", "refuse_uninitialized"]
+
+_MIB = 1024 * 1024
+class _DefaultCap(int):
+    """25, as the signature shows, but told apart from a 25 the caller passed: torch (whose default
+    is None) gives the small first bucket to the default only."""
+
+    def __repr__(self) -> str:
+        return "25"
+
+
+DEFAULT_BUCKET_CAP_MB = _DefaultCap(25)
+
+
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only, not
+    with a cap the caller chose (even 25)."""
+    small_first = bucket_cap_mb is None or isinstance(bucket_cap_mb, _DefaultCap)  # copies too
+    if bucket_cap_mb is None:
+        bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} must be a number of MiB, 0 or more (0: one "
+                         "bucket per parameter).")
+    cap = max(1, int(bucket_cap_mb * _MIB))
+    return cap, min(DEFAULT_FIRST_BUCKET_BYTES, cap) if small_first else cap
+
+
+def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | torch.device] | None,
+                  output_device: int | torch.device | None
+                  ) -> tuple[torch.device, list[int] | None, torch.device | None]:
+    """torch's rules: device_ids only for a module on one GPU, and then a single device.
+
+    ``params``: the module's parameters that DDP handles (not those it was told to ignore).
+    Returns (their device, device_ids as torch stores them, output_device).
+    """
+    devices = {p.device for p in params}
+    types = sorted({d.type for d in devices})
+    if len(types) != 1:
+        raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
+                         f"device, found {types}. HINT: move the whole module with .to(device).")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids={list(device_ids)}: DistributedDataParallel drives one device "
+                         "per process, so device_ids can only be None or contain a single element. "
+                         "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
+    if not device_ids or types[0] == "cpu" or len(devices) > 1:
+        if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
+            raise ValueError(
+                f"device_ids={device_ids} and output_device={output_device} only apply to a module "
+                f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
+                "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
+        return params[0].device, None, None
+    device = _as_device(device_ids[0], types[0])
+    if device not in devices:
+        raise ValueError(f"device_ids names {device}, but the module's parameters are on "
+                         f"{next(iter(devices))}. HINT: move the module there with .to({str(device)!r}).")
+    output = device if output_device is None else _as_device(output_device, types[0])
+    return device, [device.index], output
+
+
+def refuse_uninitialized(module: nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
+                "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
+                "forward pass on a sample batch before wrapping the model.")
+
+
+def refuse_sparse_gradients(module: nn.Module, ignored: Collection[str] = ()) -> None:
+    """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket;
+    ``ignored``: parameter names DDP leaves alone."""
+    for name, child in module.named_modules():
+        where = f"{name}.weight" if name else "weight"
+        if (isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+                and child.weight.requires_grad and where not in ignored):
+            raise NotImplementedError(
+                f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
+                f"ones ({type(child).__name__}(sparse=True)). HINT: build it with sparse=False, "
+                "or use torch.nn.parallel.DistributedDataParallel, which averages sparse gradients.")
+
+
+def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
+    """How rank ``rank``'s (name, shape, dtype, requires_grad) list first differs from rank 0's."""
+    def describe(entry: tuple, r: int) -> str:
+        name, shape, dtype, requires_grad = entry
+        frozen = ", requires_grad=False" if requires_grad is False else ""
+        return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
+
+    for i, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
+    if len(ref) != len(other):
+        longer, r = (ref, 0) if len(ref) > len(other) else (other, rank)
+        return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
+                f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
+    return None
+
+
+def _as_device(device: int | str | torch.device, device_type: str) -> torch.device:
+    if isinstance(device, int):
+        return torch.device(device_type, device)
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

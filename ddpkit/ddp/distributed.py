@@ -1,0 +1,314 @@
+"""``DistributedDataParallel``: ddpkit's own, with the reducer written in Python.
+
+    model = ddpkit.DistributedDataParallel(model)        # after ddpkit.init()
+    loss_fn(model(x), y).backward()                      # gradients are averaged over ranks here
+
+Same arguments, defaults and results as ``torch.nn.parallel.DistributedDataParallel``; the bucketing
+and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.distributed`` collectives.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+
+from ddpkit.ddp.autograd_engine import preserving_autograd_versions
+from ddpkit.runtime.comm import all_gather_object
+from ddpkit.ddp.arguments import (DEFAULT_BUCKET_CAP_MB, bucket_caps, check_devices, first_difference,
+                                   refuse_sparse_gradients, refuse_uninitialized)
+from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.join import JoinSupport
+from ddpkit.runtime.process_group import require_group_when_launched
+from ddpkit.ddp.reducer import Reducer
+
+__all__ = ["DistributedDataParallel", "DDP"]
+
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
+
+
+class DistributedDataParallel(nn.Module, JoinSupport):
+    """Data parallelism over processes: same model on every rank, gradients averaged in backward.
+
+    Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
+    buffers) to all, and hands the parameters to a ``Reducer``. Each forward may broadcast rank 0's
+    buffers; each synced backward averages the gradients. In a world of one it is a plain wrapper.
+
+    Example:
+        >>> ddpkit.init()
+        >>> model = ddpkit.DDP(nn.Linear(8, 2))
+        >>> model(torch.randn(4, 8)).sum().backward()   # .grad is the average over ranks
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False):
+        super().__init__()
+        JoinSupport.__init__(self)
+        self.module = module
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
+        # torch's way to keep some parameters and buffers out of DDP: per-rank ones, left alone
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self._join_group(_default_group() if process_group is None else process_group)
+        if self.process_group is None:  # a world of one, unless a launcher started several ranks
+            require_group_when_launched("DistributedDataParallel",
+                                        "each rank would train on its own, its gradients never averaged")
+        local_error: Exception | None = None
+        try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
+            named = self._parameters_to_reduce()
+            if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
+                refuse_sparse_gradients(module, self.parameters_to_ignore)
+            handled = [p for _, p in self._states(buffers=False)]
+            self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
+            self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
+        except (TypeError, ValueError, RuntimeError) as e:
+            local_error = e
+        if self.world_size > 1:
+            self._verify_same_parameters(local_error)
+        if local_error is not None:
+            raise local_error
+        # whether there are buffers at all: walking the module tree each forward costs ~1 ms at 400
+        # modules, so a model without buffers is not walked again
+        self._has_buffers = any(True for _ in self._synced_buffers())
+        self.reducer: Reducer | None = None  # none in a world of one: nothing to average
+        if self.world_size > 1:
+            self._broadcast_states(src=0, buffers=broadcast_buffers)
+            self.reducer = self._make_reducer(named)
+
+    # ---- construction steps --------------------------------------------------------------------
+    def _join_group(self, process_group) -> None:
+        """Use ``process_group`` (None: no process group, a world of one)."""
+        self.process_group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self.rank = 0 if process_group is None else dist.get_rank(process_group)
+
+    def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
+        refuse_uninitialized(self.module)
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        if not named:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
+                               "parameter that requires a gradient.")
+        return named
+
+    def _verify_same_parameters(self, local_error: Exception | None) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
+
+        A rank whose own arguments were refused (``local_error``) says so through the same
+        collective, so that the others raise too instead of waiting for it.
+        """
+        mine = [] if local_error is not None else [
+            (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+             t.requires_grad if isinstance(t, nn.Parameter) else None)  # None: a buffer
+            for n, t in self._states(buffers=self.broadcast_buffers)]
+        shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
+        gathered = all_gather_object(shared, group=self.process_group)
+        failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
+        if failed and local_error is None:
+            rank, error = failed[0]
+            raise RuntimeError(f"DistributedDataParallel could not be built on rank {rank}: {error} "
+                               f"(this is rank {self.rank}).")
+        if failed:
+            return  # the caller raises this rank's own error
+        everyone = [tensors for _, tensors in gathered]
+        for rank in range(1, self.world_size):
+            problem = first_difference(everyone[0], everyone[rank], rank)
+            if problem:
+                raise RuntimeError(
+                    f"DistributedDataParallel needs the same parameters and buffers on every rank, but "
+                    f"{problem} (this is rank {self.rank}). HINT: build the model identically on every "
+                    "rank (same arguments, same code path) before wrapping it.")
+
+    def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
+        return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
+                       self.bucket_bytes_cap, self._first_bucket_bytes,
+                       find_unused_parameters=self.find_unused_parameters,
+                       gradient_as_bucket_view=self.gradient_as_bucket_view,
+                       static_graph=self.static_graph)
+
+    def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        ignore = self.parameters_to_ignore
+        yield from ((n, p) for n, p in self.module.named_parameters() if n not in ignore)
+        if buffers:
+            yield from ((n, b) for n, b in self.module.named_buffers() if n not in ignore)
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _broadcast_states(self, src: int, buffers: bool) -> None:
+        """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
+        _broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+
+    # ---- torch's private configuration calls, which its own error messages recommend --------
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
+        later: not broadcast, not checked across ranks, not averaged."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's call)."""
+        if self.static_graph:
+            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.")
+            return
+        if self.reducer is not None:
+            self.reducer.set_static_graph()
+        self.static_graph = True
+
+    # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's rule: without the process group and the reducer, which the copy makes anew."""
+        if self.process_group is not _default_group():
+            raise RuntimeError(
+                "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
+                "process group (the copy joins the default group). HINT: copy or save its .module "
+                "and wrap that in a new DistributedDataParallel.")
+        state = super().__getstate__()
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The copy averages its own parameters' gradients over the default group; its comm hook,
+        as in torch, is not carried over."""
+        super().__setstate__(state)
+        self._join_group(_default_group())
+        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.device_ids:
+            inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
+        if self.reducer is None:
+            return inputs, kwargs
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.require_backward_grad_sync:
+            self.reducer.prepare_for_forward()
+        work = Join.notify_join_context(self)
+        if work is not None and not self._divide_by_initial_world_size:
+            self.reducer.set_join_count(work)
+        if grad_enabled:
+            self.reducer.rebuild_buckets_if_due()
+        if self._will_sync_buffers():
+            self._sync_buffers(active=True)
+        if self._join_config.enable:
+            self._check_global_requires_backward_grad_sync(is_joined_rank=False)
+        return inputs, kwargs
+
+    def _post_forward(self, output: Any) -> Any:
+        if self.reducer is None:
+            return output
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            outputs = [t for t in find_tensors(output) if t.requires_grad]
+            # with static_graph the first iteration's hook counts decide, as in torch
+            search = self.find_unused_parameters and not self.static_graph
+            unused = unreached_parameters(outputs, self.reducer.index_of) if search else ()
+            self.reducer.prepare_for_backward(unused)
+            # the hooks say where backward ends: look into a plain output object too (torch's
+            # search above does not, and find_unused_parameters keeps its answer)
+            hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]
+            for t in hooked:
+                if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
+                    t.register_hook(self.reducer.output_gradient_hook())
+        else:
+            self.require_forward_param_sync = False
+            self.reducer.prepare_for_local_backward()
+        return output
+
+    # ---- buffers -------------------------------------------------------------------------------
+    def _will_sync_buffers(self) -> bool:
+        """torch's rule: before a forward that follows a synced one, when there are buffers."""
+        return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
+
+    def _sync_buffers(self, active: bool) -> None:
+        """Broadcast buffers from rank 0, or under join from the highest rank still active.
+
+        Read afresh each time, as torch does: a module may replace a buffer out of place (an
+        exponential moving average written ``self.avg = ...``); that walk of the module tree is the
+        price of it for models with buffers. The copy keeps the buffers' autograd versions, as
+        torch's does: a graph of an earlier forward of this iteration may have saved them.
+        """
+        src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
+        buffers = self._synced_buffers()
+        with preserving_autograd_versions(buffers):
+            _broadcast_coalesced(buffers, src, self.process_group)
+
+    # ---- options -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the block averages the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+        if self.reducer is None and self.process_group is not None:
+            # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
+            # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
+            self.reducer = self._make_reducer(self._parameters_to_reduce())
+        if self.reducer is not None:  # no process group at all: no collective the hook could call
+            self.reducer.register_comm_hook(state, hook)
+
+
+DDP = DistributedDataParallel
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _default_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast ``tensors`` from group rank ``src`` as a few flat tensors per (device, dtype)."""
+    groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}
+    for t in tensors:
+        key = (t.device, t.dtype)
+        chunks = groups.setdefault(key, [[]])
+        if filled.get(key, 0) > _BROADCAST_CHUNK_BYTES:
+            chunks.append([])
+            filled[key] = 0
+        chunks[-1].append(t)
+        filled[key] = filled.get(key, 0) + t.numel() * t.element_size()
+    receiving = dist.get_rank(group) != src
+    with torch.no_grad():
+        for chunks in groups.values():
+            for chunk in chunks:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+                if receiving:
+                    views = torch.split(flat, [t.numel() for t in chunk])
+                    torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
+
+

@@ -1,0 +1,149 @@
+"""replicate: one module copy per device whose parameters are differentiable views of the original's.
+
+Gradients from every replica flow back into the original parameters' ``.grad``. As in torch, the replica
+on the first device shares the original's storage, so in-place buffer updates made there (BatchNorm's
+running statistics) are kept; the other replicas get their own copies of the buffers.
+
+Where a device is named more than once (``["cpu", "cpu", "cpu"]`` or ``["cuda:0"] * 4``), the replicas on
+the original's device see the parameters through aliasing views instead of copies: no memory is spent,
+autograd still routes each replica's gradient back, and autograd forbids in-place writes to them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from ddpkit.dp.devices import DeviceLike, as_devices, check_available
+from ddpkit.dp.torch_names import torch_keywords
+
+__all__ = ["replicate"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
+    """torch's coalesced CUDA broadcast (the private helper torch's own replicate uses).
+
+    Only valid for distinct CUDA devices with every tensor on the first one; it is kept because it
+    coalesces many small parameters into few copies, which matters on real GPUs.
+    """
+    from torch.nn.parallel.replicate import _broadcast_coalesced_reshape
+
+    return _broadcast_coalesced_reshape(tensors, [d.index for d in devices], detach)
+
+
+def _can_use_torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.device]) -> bool:
+    return (
+        all(d.type == "cuda" for d in devices)
+        and len(set(devices)) == len(devices)
+        and all(t.device == devices[0] for t in tensors)
+    )
+
+
+def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool, detach: bool, alias: bool) -> torch.Tensor:
+    """One replica's copy of ``t``: the tensor itself, an aliasing view, or a copy on ``device``."""
+    same_device = t.device == device
+    if not detach and t.requires_grad:
+        # view_as and .to both record an autograd edge back to ``t``
+        return t.view_as(t) if same_device else t.to(device)
+    if same_device and first:
+        return t  # torch's contract: the first replica shares the original's tensors
+    if same_device and alias:
+        return t.detach()
+    return t.detach().to(device, copy=True)
+
+
+def _broadcast(
+    tensors: list[torch.Tensor], devices: list[torch.device], *, detach: bool, alias: bool
+) -> list[list[torch.Tensor]]:
+    """Copies of ``tensors`` for each device: result[j][i] is tensors[i] on devices[j].
+
+    ``alias`` lets same-device, non-differentiable copies share storage (parameters); buffers pass
+    False so that only the first replica's in-place updates reach the original.
+    """
+    if not tensors:
+        return [[] for _ in devices]
+    if _can_use_torch_broadcast(tensors, devices):
+        return _torch_broadcast(tensors, devices, detach)
+    return [
+        [_copy_to(t, device, first=j == 0, detach=detach, alias=alias) for t in tensors]
+        for j, device in enumerate(devices)
+    ]
+
+
+def _check_replicatable(module: nn.Module) -> None:
+    # a python module below a ScriptModule cannot be copied by _replicate_for_data_parallel
+    from torch.nn.parallel.replicate import _replicatable_module
+
+    if not _replicatable_module(module):
+        raise RuntimeError(
+            "cannot replicate a network where python modules are children of a ScriptModule. "
+            "HINT: script the whole network, or none of it."
+        )
+
+
+@torch_keywords(network="module")
+def replicate(module: M, devices: Sequence[DeviceLike], detach: bool = False) -> list[M]:
+    """Return one replica of ``module`` per entry of ``devices`` (repeats allowed).
+
+    Args:
+        module: the network to copy; its parameters should live on ``devices[0]``.
+        devices: ints (CUDA indices), strings or torch.devices.
+        detach: if True the replicas' parameters have no autograd link to the original (inference).
+
+    Returns:
+        A list of independent module objects, ``replicas[j]`` computing on ``devices[j]``.
+
+    Example:
+        >>> replicas = replicate(nn.Linear(5, 2), ["cpu", "cpu"])
+    """
+    _check_replicatable(module)
+    targets = as_devices(devices)
+    for i, device in enumerate(targets):
+        check_available(device, f"devices[{i}]")
+    if not targets:
+        return []
+
+    params = list(module.parameters())
+    param_copies = _broadcast(params, targets, detach=detach, alias=True)
+    param_index = {p: i for i, p in enumerate(params)}
+
+    # as torch: buffers that need no gradient are always copied without an autograd link
+    buffers_rg = [b for b in module.buffers() if b.requires_grad and not detach]
+    buffers = buffers_rg + [b for b in module.buffers() if not (b.requires_grad and not detach)]
+    copies_rg = _broadcast(buffers_rg, targets, detach=False, alias=False)
+    copies_not_rg = _broadcast(buffers[len(buffers_rg):], targets, detach=True, alias=False)
+    buffer_copies = [a + b for a, b in zip(copies_rg, copies_not_rg)]
+    buffer_index = {b: i for i, b in enumerate(buffers)}
+
+    originals = list(module.modules())
+    module_index = {m: i for i, m in enumerate(originals)}
+    copies: list[list[nn.Module]] = [[m._replicate_for_data_parallel() for m in originals] for _ in targets]
+
+    for j, replicas in enumerate(copies):
+        for original, replica in zip(originals, replicas):
+            # torch's DDP reads replicated parameters through this dict
+            replica._former_parameters = OrderedDict()
+            for key, child in original._modules.items():
+                if child is None:
+                    replica._modules[key] = None
+                else:
+                    setattr(replica, key, replicas[module_index[child]])
+            for key, param in original._parameters.items():
+                if param is None:
+                    replica._parameters[key] = None
+                else:
+                    # replicated parameters are no longer leaves, so they become plain attributes
+                    copy = param_copies[j][param_index[param]]
+                    setattr(replica, key, copy)
+                    replica._former_parameters[key] = copy
+            for key, buf in original._buffers.items():
+                if buf is None:
+                    replica._buffers[key] = None
+                else:
+                    setattr(replica, key, buffer_copies[j][buffer_index[buf]])
+    return [replicas[0] for replicas in copies]  # type: ignore[misc]

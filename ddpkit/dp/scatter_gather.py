@@ -1,0 +1,238 @@
+"""scatter / scatter_kwargs / gather: split nested inputs over devices and join the outputs back.
+
+Tensors are chunked exactly like ``torch.chunk`` (so a batch of 10 over 8 devices gives five chunks of 2
+and only five replicas run, as in torch); tuples, lists, dicts, namedtuples and dataclasses are recursed
+into; any other object is passed by reference to every device. Unlike torch, ``scatter`` always returns
+a tuple with one item per device (torch returns a tuple for a lone tensor and a list otherwise).
+Both directions are differentiable: gradients flow from the chunks back to the input, and from the
+gathered output back to every replica's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
+from ddpkit.dp.torch_names import torch_keywords
+
+__all__ = ["scatter", "scatter_kwargs", "gather"]
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _is_dataclass_instance(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _init_fields(obj: Any) -> list[str]:
+    # only init fields can be passed to dataclasses.replace; the others are derived in __post_init__
+    return [f.name for f in dataclasses.fields(obj) if f.init]
+
+
+def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
+    if t.dim() == 0:
+        raise ValueError(
+            f"cannot {action} a 0-dim tensor along dim={dim}: expected at least 1 dimension, "
+            f"found shape {tuple(t.shape)}. HINT: give the tensor a batch dimension, e.g. t.unsqueeze(0)."
+        )
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(
+            f"cannot {action} along dim={dim}: expected dim in [{-t.dim()}, {t.dim()}) for a tensor of "
+            f"shape {tuple(t.shape)}. HINT: pass dim= the batch dimension of every tensor input."
+        )
+
+
+def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> list[torch.Tensor]:
+    _check_dim(t, dim, "scatter")
+    # A copy on every device, as torch's cross-device scatter gives: a chunk that stayed a view of
+    # the input would refuse a replica's in-place op (ReLU(inplace=True)) and, along dim 1, .view().
+    return [chunk.to(device, copy=True) for chunk, device in zip(t.chunk(len(devices), dim), devices)]
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    if _is_dataclass_instance(obj):
+        return any(_holds_tensor(getattr(obj, n)) for n in _init_fields(obj))
+    return False
+
+
+def _scatter_each(values: Sequence[Any], devices: list[torch.device], dim: int) -> list[list[Any]]:
+    """Scatter every value; those holding tensors must split into the same number of chunks.
+
+    Objects passed by reference come once per device and are cut to the tensors' count, as torch's
+    zip does; tensors that split differently would leave some replica without its share of the
+    batch (torch then drops rows silently), so that is an error here.
+    """
+    scattered = [_scatter_map(v, devices, dim) for v in values]
+    counts = {len(s) for s, v in zip(scattered, values) if _holds_tensor(v)}
+    if len(counts) > 1:
+        sizes = [tuple(t.shape) for v in values for t in _tensors(v)][:8]
+        raise ValueError(
+            f"cannot scatter inputs over {len(devices)} devices along dim={dim}: their tensors split "
+            f"into different numbers of chunks {sorted(counts)} (shapes {sizes}), so some replica "
+            "would get only part of its inputs. HINT: give every batched input the same size along "
+            "dim, and pass unbatched tensors as module attributes or buffers instead of inputs.")
+    return scattered
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    elif _is_dataclass_instance(obj):
+        obj = [getattr(obj, n) for n in _init_fields(obj)]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
+    """One item per device (fewer when a tensor has fewer rows than devices)."""
+    if isinstance(obj, torch.Tensor):
+        return _scatter_tensor(obj, devices, dim)
+    if _is_namedtuple(obj) and len(obj) > 0:
+        return [type(obj)(*items) for items in zip(*_scatter_each(obj, devices, dim))]
+    if isinstance(obj, tuple) and len(obj) > 0:
+        return [tuple(items) for items in zip(*_scatter_each(obj, devices, dim))]
+    if isinstance(obj, list) and len(obj) > 0:
+        return [list(items) for items in zip(*_scatter_each(obj, devices, dim))]
+    if isinstance(obj, dict) and len(obj) > 0:
+        keys = list(obj)
+        per_device = zip(*_scatter_each([obj[k] for k in keys], devices, dim))
+        return [type(obj)(zip(keys, values)) for values in per_device]
+    if _is_dataclass_instance(obj):
+        names = _init_fields(obj)
+        if names:
+            per_device = zip(*_scatter_each([getattr(obj, n) for n in names], devices, dim))
+            return [dataclasses.replace(obj, **dict(zip(names, values))) for values in per_device]
+    return [obj for _ in devices]
+
+
+def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
+    devices = as_devices(target_devices, what="target_devices")
+    if not devices:
+        raise ValueError(
+            "target_devices is empty: expected at least one device. HINT: pass e.g. ['cpu', 'cpu'] or [0, 1]."
+        )
+    for i, device in enumerate(devices):
+        check_available(device, f"target_devices[{i}]")
+    return devices
+
+
+@torch_keywords(target_gpus="target_devices")
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
+    """Split ``inputs`` into one piece per device, chunking tensors along ``dim`` like torch.chunk.
+
+    Returns:
+        A tuple with one item per used device, each of the same type as ``inputs``.
+
+    Example:
+        >>> scatter(torch.zeros(30, 5), ["cpu"] * 8)[-1].shape
+        torch.Size([2, 5])
+    """
+    return tuple(_scatter_map(inputs, _target_devices(target_devices), dim))
+
+
+@torch_keywords(target_gpus="target_devices")
+def scatter_kwargs(
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    target_devices: Sequence[DeviceLike],
+    dim: int = 0,
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """Scatter positional and keyword inputs; the shorter side is padded with () or {} as torch does.
+
+    Raises:
+        ValueError: positional and keyword tensors split into different numbers of chunks (torch
+            pads the keyword side with ``{}`` there, so the last replicas silently lose their kwargs).
+    """
+    devices = _target_devices(target_devices)
+    if inputs and kwargs:
+        pairs = list(zip(*_scatter_each([tuple(inputs), kwargs], devices, dim)))
+        scattered_inputs, scattered_kwargs = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        scattered_inputs = _scatter_map(tuple(inputs), devices, dim) if inputs else []
+        scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
+    scattered_inputs = [tuple(x) for x in scattered_inputs]
+    if len(scattered_inputs) < len(scattered_kwargs):
+        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
+    elif len(scattered_kwargs) < len(scattered_inputs):
+        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
+    return tuple(scattered_inputs), tuple(scattered_kwargs)
+
+
+def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: int) -> torch.Tensor:
+    if all(t.dim() == 0 for t in outputs) and dim == 0:
+        warnings.warn(
+            "Was asked to gather along dimension 0, but all input tensors were scalars; "
+            "will instead unsqueeze and return a vector.",
+            stacklevel=4,
+        )
+        outputs = [t.view(1) for t in outputs]
+    for t in outputs:
+        _check_dim(t, dim, "gather")
+    # .to and cat are both differentiable, so backward splits the gradient back to every replica
+    return torch.cat([t.to(target) for t in outputs], dim)
+
+
+def _same_everywhere(outputs: Sequence[Any]) -> bool:
+    try:
+        return all(o is outputs[0] or bool(o == outputs[0]) for o in outputs[1:])
+    except Exception:  # noqa: BLE001 - == may be undefined or ambiguous for arbitrary objects
+        return False
+
+
+def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
+    out = outputs[0]
+    if isinstance(out, torch.Tensor):
+        return _gather_tensors(outputs, target, dim)
+    if out is None:
+        return None
+    if isinstance(out, dict):
+        if not all(isinstance(d, dict) and d.keys() == out.keys() for d in outputs):
+            found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in outputs]
+            raise ValueError(f"all replicas must return dicts with the same keys, but found {found}")
+        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
+    if _is_namedtuple(out):
+        return type(out)._make(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
+    if _is_dataclass_instance(out):
+        names = _init_fields(out)
+        gathered = {n: _gather_map([getattr(o, n) for o in outputs], target, dim) for n in names}
+        return dataclasses.replace(out, **gathered)
+    if _same_everywhere(outputs):
+        return out  # what scatter passed by reference comes back as it went
+    raise TypeError(
+        f"cannot gather replica outputs of type {type(out).__name__} that differ between replicas "
+        f"(found {list(outputs)!r:.200}): expected tensors, None, or tuples, lists, dicts, namedtuples "
+        "or dataclasses of them. HINT: return such values from forward, or wrap them in a tensor."
+    )
+
+
+def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
+    """Join per-replica outputs on ``target_device`` along ``dim``; the inverse of scatter.
+
+    ``target_device`` may be an int (CUDA index; -1 means the CPU, as in torch), a str or a
+    torch.device. 0-dim outputs become a vector with one entry per replica, with torch's warning.
+    """
+    if len(outputs) == 0:
+        raise ValueError("outputs is empty: expected one output per replica, found none.")
+    if isinstance(target_device, int) and not isinstance(target_device, bool) and target_device == -1:
+        target = torch.device("cpu")
+    else:
+        target = as_device(target_device, what="target_device")
+        check_available(target, "target_device")
+    return _gather_map(outputs, target, dim)

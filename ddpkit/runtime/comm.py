@@ -1,0 +1,235 @@
+"""Collectives for user code: typed, named ops, and they also work in a world of one.
+
+Each takes ``group=None`` (the default group). Without any process group (a plain ``python`` run
+that never called ``ddpkit.init()``) they act as the identity of a world of one, so the same
+training script runs everywhere; in a job a launcher started with several processes they raise
+until ``ddpkit.init()`` has joined them, instead of leaving each rank with its own answer.
+"""
+from __future__ import annotations
+
+import ctypes
+import pickle
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.runtime.process_group import require_group_when_launched
+
+__all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_object",
+           "reduce_scatter", "barrier", "REDUCE_OPS"]
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # summed, then divided by the world size
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def _active(group) -> bool:
+    """True when there is a process group to talk to; False means: act as a world of one."""
+    return dist.is_available() and dist.is_initialized() or group is not None
+
+
+def _world_size(group, op: str) -> int:
+    """The group's size; raises on a rank outside ``group`` (torch would quietly do nothing there),
+    and in a launched job whose group ``init()`` has not made yet."""
+    if not _active(group):
+        require_group_when_launched(f"ddpkit.{op}", f"{op} would leave each rank with its own result")
+        return 1
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of this group (its ranks are "
+            f"{dist.get_process_group_ranks(group)}), so it takes no part in the group's collectives. "
+            "HINT: call them only on the group's members, e.g. `if dist.get_rank() in ranks:`.")
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _active(group) else 0
+
+
+def _reduce_op(op: Any) -> tuple[str, Any]:
+    # torch's own dist.ReduceOp.SUM etc., so that code written for dist.all_reduce ports unchanged
+    torch_name = getattr(op, "name", None) if isinstance(op, dist.ReduceOp.RedOpType) else None
+    if isinstance(torch_name, str) and torch_name.lower() in REDUCE_OPS:
+        op = torch_name
+    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not a reduction ddpkit knows: use one of "
+                         f"{sorted(set(REDUCE_OPS) - {'avg', 'prod'})}.")
+    return op.lower(), REDUCE_OPS[op.lower()]
+
+
+def _check_mean(function: str, op_name: str, tensor: torch.Tensor) -> None:
+    """A mean divides in place, which an integer tensor cannot hold: refuse it on every world size."""
+    if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}. "
+                        "HINT: convert with .float(), or reduce with op='sum'.")
+
+
+def _check_tensor(name: str, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks in place; returns it.
+
+    ``op`` is "sum", "mean", "max", "min" or "product", or torch's ``dist.ReduceOp`` of the same name
+    (``ReduceOp.AVG`` is "mean").
+    """
+    _check_tensor("tensor", tensor)
+    name, reduce_op = _reduce_op(op)
+    _check_mean("all_reduce", name, tensor)
+    world_size = _world_size(group, "all_reduce")
+    if world_size == 1:
+        return tensor
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    if name in ("mean", "avg"):
+        tensor.div_(world_size)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s; returns it.
+
+    ``src`` is a global rank, as in ``torch.distributed.broadcast``, also with a subgroup.
+    """
+    _check_tensor("tensor", tensor)
+    if _check_src(src, group, "broadcast") > 1:
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """Return rank ``src``'s ``obj`` (any picklable object) on every rank; ``src`` as in broadcast."""
+    if _check_src(src, group, "broadcast_object") == 1:
+        return obj
+    device = _comm_device(group)
+    sending = dist.get_rank() == src
+    payload = _to_bytes_tensor(obj) if sending else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buffer = payload.to(device) if sending else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src, group=group)
+    return obj if sending else _from_bytes_tensor(buffer)
+
+
+def _check_src(src: int, group, op: str) -> int:
+    """The group's size, once ``src`` is known to be one of its (global) ranks."""
+    world_size = _world_size(group, op)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    if isinstance(src, bool) or not isinstance(src, int) or src not in members:
+        raise ValueError(f"src={src!r} is not a rank of this group (its ranks are {members}). HINT: src "
+                         "is a global rank, as in torch.distributed.broadcast.")
+    return world_size
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` (any picklable object), in rank order."""
+    if _world_size(group, "all_gather_object") == 1:
+        return [obj]
+    device = _comm_device(group)
+    return [_from_bytes_tensor(t) for t in all_gather(_to_bytes_tensor(obj).to(device), group=group)]
+
+
+# torch's own object collectives go through numpy, which a plain torch install may lack: these
+# pickle into a uint8 tensor and back with the standard library only.
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _from_bytes_tensor(tensor: torch.Tensor) -> Any:
+    tensor = tensor.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(tensor.data_ptr(), tensor.numel()) if tensor.numel() else b"")
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order. First dimensions may differ between ranks.
+
+    Returns a list of ``world_size`` tensors (``torch.cat`` it for one tensor).
+    """
+    _check_tensor("tensor", tensor)
+    world_size = _world_size(group, "all_gather")
+    if world_size == 1:
+        return [tensor.clone()]
+    tensor = tensor.contiguous()
+    shape = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+                         dtype=torch.int64, device=tensor.device)
+    if tensor.dim() > 8:
+        raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
+    shapes = [torch.empty_like(shape) for _ in range(world_size)]
+    dist.all_gather(shapes, shape, group=group)
+    shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
+    if any(len(s) != tensor.dim() or s[1:] != tuple(tensor.shape[1:]) for s in shapes):
+        listed = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
+        raise ValueError(f"all_gather: only the first dimension may differ between ranks, but the "
+                         f"shapes are {listed}.")
+    if tensor.dim() == 0:
+        out = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.all_gather(out, tensor, group=group)
+        return out
+    longest = max(s[0] for s in shapes)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    out = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(out, padded, group=group)
+    return [o[: s[0]].clone() for o, s in zip(out, shapes)]
+
+
+def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
+                   group=None) -> torch.Tensor:
+    """Reduce over ranks, then give rank ``r`` the ``r``-th chunk of the result.
+
+    ``tensor`` is either one tensor split along dim 0 like ``torch.tensor_split`` (uneven sizes are
+    fine), or a list of ``world_size`` tensors. Gloo has no native reduce-scatter: there it is an
+    all-reduce followed by taking this rank's chunk, the same result at twice the traffic.
+    """
+    world_size, rank = _world_size(group, "reduce_scatter"), _rank(group)
+    if isinstance(tensor, torch.Tensor):
+        if tensor.dim() == 0:
+            raise ValueError("reduce_scatter needs a tensor with a first dimension to split, got a scalar.")
+        chunks = list(torch.tensor_split(tensor, world_size))
+    elif not isinstance(tensor, (list, tuple)):
+        raise TypeError(f"reduce_scatter takes a tensor or a list of tensors, got {type(tensor).__name__}.")
+    else:
+        chunks = list(tensor)
+        if len(chunks) != world_size:
+            raise ValueError(f"reduce_scatter got {len(chunks)} tensors for a group of {world_size} "
+                             "ranks: pass exactly one per rank.")
+        for i, chunk in enumerate(chunks):
+            _check_tensor(f"tensor[{i}]", chunk)
+    name, reduce_op = _reduce_op(op)
+    for chunk in chunks:
+        _check_mean("reduce_scatter", name, chunk)
+    if world_size == 1:
+        return chunks[0].clone()
+    same_shapes = all(c.shape == chunks[0].shape for c in chunks)
+    if dist.get_backend(group) == "nccl" and same_shapes:
+        out = torch.empty_like(chunks[rank])
+        dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=reduce_op, group=group)
+    else:
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        dist.all_reduce(flat, op=reduce_op, group=group)
+        start = sum(c.numel() for c in chunks[:rank])
+        out = flat[start:start + chunks[rank].numel()].view_as(chunks[rank]).clone()
+    if name in ("mean", "avg"):
+        out.div_(world_size)
+    return out
+
+
+def barrier(group=None) -> None:
+    """Wait until every rank of the group arrives here."""
+    if _world_size(group, "barrier") > 1:
+        dist.barrier(group=group)
+
+
+def _comm_device(group) -> torch.device:
+    """Where a tensor must be for this group's collectives: NCCL reduces CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,73 @@
+"""MPI launchers (mpirun / mpiexec): Open MPI, MVAPICH, PMI and PMIx.
+
+Each MPI flavour names rank, size, local rank and local size differently, and none exports the node
+index or a rendezvous address; this module finds the flavour that is set, infers the node from the
+rank mapping, and asks for MASTER_ADDR only when the job spans several nodes.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
+from ddpkit.runtime.environments.variables import (check_one_node, check_rank, read_int, read_master_port,
+                                           read_optional_int)
+
+__all__ = ["from_mpi"]
+
+
+_MPI_FLAVOURS = (
+    # rank, size, local rank, local size
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+)
+
+
+def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
+    for rank_name, size_name, local_rank_name, local_size_name in _MPI_FLAVOURS:
+        if rank_name in environ:
+            break
+    else:
+        return None
+    if size_name not in environ:
+        raise ValueError(
+            f"{rank_name}={environ[rank_name]!r} is set but {size_name} is not. HINT: start the job "
+            "with mpirun/mpiexec, which sets both."
+        )
+    rank = read_int(environ, rank_name)
+    world_size = read_int(environ, size_name, minimum=1)
+    check_rank(rank_name, rank, size_name, world_size)
+    local_world_size = read_optional_int(environ, local_size_name, minimum=1) or world_size
+    local_rank = read_optional_int(environ, local_rank_name)
+    if local_rank is None:
+        local_rank = rank % local_world_size
+    check_rank(local_rank_name, local_rank, local_size_name, local_world_size)
+    check_one_node(rank_name, rank, local_rank_name, local_rank, local_world_size, world_size)
+    node_rank = _mpi_node(rank, world_size, local_rank, local_world_size)
+
+    master_addr = environ.get("MASTER_ADDR", "").strip() or None
+    if master_addr is None:
+        if local_world_size < world_size:
+            raise ValueError(
+                f"{rank_name}={rank} in a job of {size_name}={world_size} over several nodes, but "
+                "MASTER_ADDR is not set. HINT: pass it to every rank, e.g. "
+                "'mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...'."
+            )
+        master_addr = LOOPBACK  # every rank is on this node
+    master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
+    return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
+                   master_port, "mpi")
+
+
+def _mpi_node(rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:
+    """The node index, which MPI launchers do not export.
+
+    (Open MPI's OMPI_COMM_WORLD_NODE_RANK is a rank *on* the node, counted over all jobs there.)
+    mpirun's default mapping fills node 0 first; ``--map-by node`` deals ranks round-robin, which
+    shows as local ranks that count up every ``nodes`` ranks instead.
+    """
+    num_nodes, uneven = divmod(world_size, local_world_size)
+    if local_rank != rank % local_world_size and not uneven and local_rank == rank // num_nodes:
+        return rank % num_nodes
+    return rank // local_world_size

@@ -1,0 +1,126 @@
+"""SLURM's ``srun``: SLURM_PROCID, the job step's task and node layout, and the hostlist.
+
+SLURM spreads one job over several variables that may disagree (a job step's own versus the
+allocation's), compresses host names and per-node counts, and exports no rendezvous address; this
+module picks the variables that describe this step, derives what is missing (node and local rank,
+the first host as MASTER_ADDR, a port from the job id) and checks that the pieces agree.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Mapping
+
+from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
+from ddpkit.runtime.environments.hostlist import expand_hostlist, expand_tasks_per_node
+from ddpkit.runtime.environments.variables import (check_one_node, check_rank, first_set, read_int,
+                                           read_master_port, read_optional_int)
+
+__all__ = ["from_slurm"]
+
+# Inside a job step (srun) the SLURM_STEP_* variables describe this step; the job's may describe the
+# allocation instead (srun -n4 in an --ntasks-per-node=4 allocation keeps SLURM_NTASKS_PER_NODE=4).
+_SLURM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+_SLURM_LAYOUT = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+_SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+_SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
+    if "SLURM_PROCID" not in environ:
+        return None
+    rank = read_int(environ, "SLURM_PROCID")
+    tasks_name, nodes_name = first_set(environ, *_SLURM_TASKS), first_set(environ, *_SLURM_NODES)
+    nodelist_name = first_set(environ, *_SLURM_NODELIST)
+    hosts = _hostlist(environ, nodelist_name) if nodelist_name else []
+    world_size = read_int(environ, tasks_name, minimum=1) if tasks_name else None
+    num_nodes = read_int(environ, nodes_name, minimum=1) if nodes_name else len(hosts) or None
+    counts, layout, layout_name = _slurm_layout(environ, rank, world_size, num_nodes)
+    world_size = sum(counts) if world_size is None else world_size
+    tasks = f"{tasks_name}={world_size}" if tasks_name else f"the {world_size} task(s) of {layout}"
+    check_rank("SLURM_PROCID", rank, tasks_name or "SLURM_NTASKS", world_size, tasks)
+
+    node_rank = read_optional_int(environ, "SLURM_NODEID")
+    if node_rank is None:
+        node_rank = _block_node(counts, rank, layout)
+    nodes_described = (None if nodes_name and num_nodes == len(counts)
+                       else f"the {len(counts)} node(s) of {layout}")
+    check_rank("SLURM_NODEID", node_rank, nodes_name or "SLURM_NNODES", len(counts), nodes_described)
+    local_world_size = counts[node_rank]
+    local_rank = read_optional_int(environ, "SLURM_LOCALID")
+    if local_rank is None:
+        local_rank = rank - sum(counts[:node_rank])  # srun's default block distribution
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(
+                f"SLURM_PROCID={rank} is not among the tasks that {layout} places on SLURM_NODEID="
+                f"{node_rank}. HINT: set SLURM_LOCALID (srun does), or make the two agree.")
+    check_rank("SLURM_LOCALID", local_rank, layout_name, local_world_size,
+               f"the {local_world_size} task(s) on node {node_rank} of {layout}")
+    check_one_node("SLURM_PROCID", rank, "SLURM_LOCALID", local_rank, local_world_size, world_size)
+    if sum(counts) != world_size:
+        raise ValueError(
+            f"{tasks_name}={world_size} disagrees with {layout} = {sum(counts)} tasks. HINT: ask "
+            "sbatch/srun for a consistent layout, e.g. --nodes=N --ntasks-per-node=K without a "
+            "different --ntasks.")
+
+    master_addr = environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
+    if master_addr is None:
+        if world_size > 1:
+            raise ValueError(
+                f"SLURM_PROCID={rank} with {tasks}, but neither SLURM_JOB_NODELIST "
+                "nor MASTER_ADDR is set, so the ranks cannot find each other. HINT: run under srun, "
+                "or export MASTER_ADDR=<first node>."
+            )
+        master_addr = LOOPBACK
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    # every task of the job derives the same port from the job id; jobs sharing a node differ
+    default_port = 15000 + int(job_id[-4:]) if job_id and job_id[-4:].isdigit() else DEFAULT_MASTER_PORT
+    master_port = read_master_port(environ, default_port)
+    return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
+                   master_port, "slurm")
+
+
+def _hostlist(environ: Mapping[str, str], name: str) -> list[str]:
+    try:
+        return expand_hostlist(environ[name])
+    except ValueError as e:
+        raise ValueError(f"{name}={environ[name]!r}: {e}") from e
+
+
+def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None,
+                  num_nodes: int | None) -> tuple[list[int], str, str]:
+    """The tasks on each node, where that came from, and the variable to check (for messages)."""
+    layout_name = first_set(environ, *_SLURM_LAYOUT)
+    if layout_name is not None:
+        text = environ[layout_name]
+        return expand_tasks_per_node(layout_name, text), f"{layout_name}={text!r}", layout_name
+    if environ.get("SLURM_NTASKS_PER_NODE", "").strip():
+        # only without a per-node layout: an srun step may have overridden the job's value
+        text = environ["SLURM_NTASKS_PER_NODE"]
+        counts = expand_tasks_per_node("SLURM_NTASKS_PER_NODE", text)  # sbatch may write '4(x2)' too
+        if len(set(counts)) > 1:
+            return counts, f"SLURM_NTASKS_PER_NODE={text!r}", "SLURM_NTASKS_PER_NODE"
+        nodes = num_nodes or 1
+        return ([counts[0]] * nodes, f"{nodes} node(s) x SLURM_NTASKS_PER_NODE={counts[0]}",
+                "SLURM_NTASKS_PER_NODE")
+    if world_size is None:
+        if rank > 0:
+            raise ValueError(
+                f"SLURM_PROCID={rank} is set but SLURM_NTASKS is unset, so the number of tasks is "
+                "unknown. HINT: run under srun, which sets both, or export SLURM_NTASKS=<tasks>.")
+        world_size = 1
+    # no per-node counts: an even split over the nodes (srun's default when it divides), the first
+    # nodes taking one more when it does not
+    nodes = min(num_nodes or 1, world_size)
+    base, extra = divmod(world_size, nodes)
+    return ([base + 1] * extra + [base] * (nodes - extra),
+            f"{world_size} task(s) spread evenly over {nodes} node(s)", "SLURM_TASKS_PER_NODE")
+
+
+def _block_node(counts: list[int], rank: int, layout: str) -> int:
+    """The node holding ``rank`` when node i runs ``counts[i]`` consecutive ranks."""
+    for node, first_of_next in enumerate(itertools.accumulate(counts)):
+        if rank < first_of_next:
+            return node
+    raise ValueError(
+        f"SLURM_PROCID={rank} is beyond the {sum(counts)} task(s) that {layout} places on the nodes. "
+        "HINT: set SLURM_NODEID and SLURM_LOCALID (srun does), or make the two agree.")

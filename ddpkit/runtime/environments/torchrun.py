@@ -1,0 +1,109 @@
+"""torchrun and ``ddpkit run``: RANK, WORLD_SIZE, LOCAL_*, GROUP_* and MASTER_ADDR/MASTER_PORT.
+
+Both launchers export torch's elastic variables, the most complete description of a job, so this
+source is tried first. What it may leave out (LOCAL_WORLD_SIZE, LOCAL_RANK, GROUP_RANK) is derived
+from what it set; the rendezvous address is required once there is more than one process.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, DistEnv
+from ddpkit.runtime.environments.variables import check_rank, read_int, read_master_port, read_optional_int
+
+__all__ = ["from_torchrun"]
+
+
+def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
+    has_rank, has_world = "RANK" in environ, "WORLD_SIZE" in environ
+    if not (has_rank or has_world):
+        return None
+    if not has_world:
+        raise ValueError(
+            f"RANK={environ['RANK']!r} is set but WORLD_SIZE is not. HINT: set both (torchrun and "
+            "'ddpkit run' do), or neither for a single process."
+        )
+    if not has_rank:
+        raise ValueError(
+            f"WORLD_SIZE={environ['WORLD_SIZE']!r} is set but RANK is not. HINT: set both (torchrun "
+            "and 'ddpkit run' do), or neither for a single process."
+        )
+    world_size = read_int(environ, "WORLD_SIZE", minimum=1,
+                          hint="HINT: set WORLD_SIZE to the number of processes in the job (1 or more).")
+    rank = read_int(environ, "RANK", hint="HINT: ranks count from 0; set RANK to this process's index "
+                                          "in [0, WORLD_SIZE).")
+    check_rank("RANK", rank, "WORLD_SIZE", world_size)
+
+    local_world_size = read_optional_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
+    local_rank = read_optional_int(environ, "LOCAL_RANK")
+    if local_world_size is None:
+        if local_rank is not None:
+            check_rank("LOCAL_RANK", local_rank, "WORLD_SIZE", world_size)
+        local_world_size = world_size if local_rank is None or local_rank == rank else local_rank + 1
+    if local_rank is None:
+        local_rank = rank % local_world_size
+    check_rank("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
+    if local_world_size > world_size:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={local_world_size} is larger than WORLD_SIZE={world_size}: a node "
+            "cannot hold more processes than the whole job. HINT: set LOCAL_WORLD_SIZE to the "
+            "processes on this node (torchrun's --nproc-per-node), at most WORLD_SIZE."
+        )
+    _check_consecutive(rank, local_rank, local_world_size, world_size, "LOCAL_WORLD_SIZE" in environ)
+    node_rank = read_optional_int(environ, "GROUP_RANK")
+    if node_rank is None:
+        node_rank = rank // local_world_size
+    else:
+        # torchrun says how many nodes there are; without it, nodes of LOCAL_WORLD_SIZE processes each
+        num_nodes = read_optional_int(environ, "GROUP_WORLD_SIZE", minimum=1)
+        described = None if num_nodes else (f"the nodes of WORLD_SIZE={world_size} processes, "
+                                             f"LOCAL_WORLD_SIZE={local_world_size} per node")
+        check_rank("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE",
+                   num_nodes or -(-world_size // local_world_size), described,
+                   "HINT: GROUP_RANK is this node's index (torchrun's --node-rank), counted from 0; "
+                   "check it and LOCAL_WORLD_SIZE.")
+        even = num_nodes in (None, world_size // local_world_size) and world_size % local_world_size == 0
+        if even and "LOCAL_WORLD_SIZE" in environ:  # a derived LOCAL_WORLD_SIZE is only a floor
+            _check_node_start(rank, local_rank, node_rank, local_world_size)
+
+    master_addr = environ.get("MASTER_ADDR", "").strip() or None
+    master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
+    if world_size > 1 and master_addr is None:
+        who = "the other ranks" if rank == 0 else f"rank {rank}"
+        raise ValueError(
+            f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
+            "cannot find rank 0. HINT: launch with 'ddpkit run' or torchrun, which set it, "
+            "or export MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>."
+        )
+    if world_size > 1 and "MASTER_PORT" not in environ:
+        raise ValueError(
+            f"MASTER_ADDR={master_addr} is set but MASTER_PORT is not. HINT: export "
+            "MASTER_PORT=<a free port on the host of rank 0>."
+        )
+    launcher = "ddpkit" if environ.get("DDPKIT_LAUNCHER") == "ddpkit" else "torchrun"
+    return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
+                   master_port, launcher)
+
+
+def _check_consecutive(rank: int, local_rank: int, local_world_size: int, world_size: int,
+                       local_world_size_set: bool) -> None:
+    """torchrun gives a node's processes consecutive ranks: its first is RANK - LOCAL_RANK."""
+    first = rank - local_rank
+    if 0 <= first and first + local_world_size <= world_size:
+        return
+    size = (f"LOCAL_WORLD_SIZE={local_world_size}" if local_world_size_set
+            else f"at least {local_world_size}, for LOCAL_RANK={local_rank}")
+    raise ValueError(
+        f"RANK={rank} and LOCAL_RANK={local_rank} disagree: a node's processes hold consecutive ranks, "
+        f"so this node's would start at rank {first}, and its processes ({size}) do not fit in "
+        f"WORLD_SIZE={world_size}. HINT: RANK is the node's first rank + LOCAL_RANK; check both.")
+
+
+def _check_node_start(rank: int, local_rank: int, node_rank: int, local_world_size: int) -> None:
+    """With LOCAL_WORLD_SIZE processes on every node, node GROUP_RANK starts at GROUP_RANK x that."""
+    if rank - local_rank != node_rank * local_world_size:
+        raise ValueError(
+            f"RANK={rank} with LOCAL_RANK={local_rank} makes rank {rank - local_rank} this node's first, "
+            f"but GROUP_RANK={node_rank} with LOCAL_WORLD_SIZE={local_world_size} processes on every "
+            f"node starts it at rank {node_rank * local_world_size}. HINT: check RANK, LOCAL_RANK and "
+            "GROUP_RANK (torchrun's --node-rank).")

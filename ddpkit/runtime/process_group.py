@@ -1,0 +1,276 @@
+"""``ddpkit.init()`` / ``ddpkit.shutdown()``: the one place that turns a ``DistEnv`` into a process group.
+
+A world of one (``python train.py``) gets a real Gloo group over an in-process store: no network, yet
+ddpkit's collectives and plain ``torch.distributed`` calls in user code work unchanged. A larger world
+rendezvouses on a TCPStore at MASTER_ADDR:MASTER_PORT with a deadline, and a rendezvous that cannot
+complete says how many ranks arrived and where they were looking.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.runtime.env import DistEnv, detect
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "init",
+    "shutdown",
+    "current_env",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "is_main_process",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""How long a rendezvous or a collective may wait; torch's own default is 30 minutes."""
+
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+# What init() set up, so that a second init() returns it and shutdown() knows what to destroy; and
+# how many groups this process has joined, so that an init() after shutdown() meets on fresh keys.
+_state: dict[str, DistEnv | None] = {"env": None}
+_joined = [0]
+
+_SETTLE_SECONDS = 0.05
+"""How long the exit handler lets collective threads finish their last release (see below)."""
+
+
+def _let_collective_threads_settle() -> None:
+    """At exit, while the interpreter is whole: let Gloo's threads drop what they still hold.
+
+    A Gloo thread releases a finished collective's work, and with it the last reference to tensors
+    whose Python objects torch keeps alive for C++ (or to backward's context), a moment after the
+    collective returns. Should that moment fall inside interpreter finalization, taking the GIL to
+    free them kills the process ("terminate called without an active exception"): a script whose
+    last act is a collective (a checkpoint's broadcast) aborted in a third of two-rank runs.
+    Sleeping releases the GIL to those threads before finalization begins.
+    """
+    time.sleep(_SETTLE_SECONDS)
+
+
+def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistEnv:
+    """Join the job this process was launched into (idempotent) and return its ``DistEnv``.
+
+    Args:
+        backend: "nccl", "gloo", ...; default NCCL when CUDA is usable, else Gloo (also read from
+            ``DDPKIT_BACKEND``).
+        timeout: seconds or a timedelta for the rendezvous and for every collective; default 5 minutes.
+
+    Returns:
+        The detected ``DistEnv`` with ``backend`` (None in the single-process fallback) and ``device``
+        (``cuda:<local_rank>`` or ``cpu``) filled in.
+
+    Raises:
+        ValueError: contradictory launcher variables, or an unknown backend.
+        RuntimeError: the rendezvous did not complete within ``timeout``.
+    """
+    timeout = _as_timedelta(timeout)
+    if _state["env"] is not None and dist.is_initialized():
+        _check_same_backend(backend)
+        return _state["env"]
+    if dist.is_initialized():
+        env = _adopt_existing_group()
+    else:
+        env = detect(os.environ)
+        backend = _choose_backend(backend or os.environ.get("DDPKIT_BACKEND") or None)
+        device = _choose_device(backend, env)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if env.world_size == 1:
+            # A world of one needs no network: an in-process store is enough. With NCCL, Gloo
+            # serves CPU tensors too, so user code may reduce tensors on either device.
+            dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+                                    store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            store = _rendezvous(env, timeout)
+            dist.init_process_group(backend, store=store, rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
+        atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs
+        atexit.register(_let_collective_threads_settle)
+    _state["env"] = env
+    return env
+
+
+def shutdown() -> None:
+    """Destroy the process group ``init()`` created; safe to call twice or without ``init()``."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state["env"] = None
+
+
+def current_env() -> DistEnv | None:
+    """The ``DistEnv`` returned by ``init()``, or None before it."""
+    return _state["env"]
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def require_group_when_launched(what: str, consequence: str) -> None:
+    """Raise if a launcher started several processes but ``init()`` has not joined them yet.
+
+    Without a process group each rank would act as a world of one, quietly on its own.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    launched = detect(os.environ)
+    if launched.world_size > 1:
+        raise RuntimeError(
+            f"{what}: this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
+            f"(launcher: {launched.launcher}), but no process group exists, so {consequence}. "
+            "HINT: call ddpkit.init() first.")
+
+
+def get_rank() -> int:
+    """This process's rank: from the process group once initialized, else from the environment."""
+    return dist.get_rank() if dist.is_initialized() else detect(os.environ).rank
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else detect(os.environ).world_size
+
+
+def get_local_rank() -> int:
+    env = _state["env"] or detect(os.environ)
+    return env.local_rank
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (and in a single process): the one that prints, logs and saves."""
+    return get_rank() == 0
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r} must be a positive duration. HINT: the default is "
+                             "5 minutes; pass e.g. timedelta(minutes=10).")
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
+                         "timedelta. HINT: the default is 5 minutes; pass e.g. timeout=600.")
+    return timedelta(seconds=timeout)
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    backend = backend.lower()
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}.")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False. "
+                         "HINT: use backend='gloo' on CPU.")
+    return backend
+
+
+def _check_same_backend(backend: str | None) -> None:
+    """A repeated ``init()`` returns the first one's group: it must not silently ignore a new backend."""
+    if backend is None or not dist.is_initialized():
+        return
+    current = str(dist.get_backend()).lower()
+    if backend.lower() not in current.replace(":", ",").split(","):
+        raise ValueError(
+            f"ddpkit.init(backend={backend!r}) but this process already joined with backend "
+            f"{current!r}. HINT: call ddpkit.shutdown() first to change the backend.")
+
+
+def _choose_device(backend: str, env: DistEnv) -> torch.device:
+    if backend != "gloo" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise ValueError(
+                f"LOCAL_RANK={env.local_rank} but this node has only {count} visible GPU(s). "
+                "HINT: start at most one process per GPU (--nproc-per-node), or check "
+                "CUDA_VISIBLE_DEVICES."
+            )
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def _adopt_existing_group() -> DistEnv:
+    """The user called ``torch.distributed.init_process_group`` already: describe that group."""
+    env = detect(os.environ)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    launcher = env.launcher if env.world_size == dist.get_world_size() else "torchrun"
+    return env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend,
+                       device=device, launcher=launcher)
+
+
+def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
+    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank has arrived.
+
+    One deadline covers both steps: torch's client retries its connection with a backoff that
+    overshoots its timeout about twice over, so a client first waits for the port with plain sockets.
+    """
+    address = f"{env.master_addr}:{env.master_port}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosting = env.rank == 0 and not agent_hosts_store
+    try:
+        if not hosting:
+            _wait_until_listening(env.master_addr, env.master_port, deadline)
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosting,
+                              timeout=_left(deadline), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        who = "the launcher" if agent_hosts_store else "rank 0"
+        raise RuntimeError(
+            f"rank {env.rank} could not reach the rendezvous at {address} within "
+            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}. HINT: check that "
+            f"MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on every "
+            "rank, that rank 0 is running, and that the port is free and reachable."
+        ) from e
+    # A restarted group, or one joined again after shutdown(), must not read the keys of the
+    # previous one from a store that outlived it (the launcher's): every rank counts alike.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _joined[0] += 1
+    store = dist.PrefixStore(f"ddpkit/attempt{attempt}/group{_joined[0]}", store)
+    arrived = store.add("arrived", 1)
+    if arrived == env.world_size:
+        store.set("complete", "1")
+    try:
+        store.wait(["complete"], _left(deadline))
+    except (RuntimeError, OSError) as e:
+        try:
+            joined = f"only {store.add('arrived', 0)}"
+        except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
+            joined = "rank 0 gave up and closed the store, so not all"
+        raise RuntimeError(
+            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
+            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}). HINT: a rank "
+            "failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
+        ) from e
+    return store
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+
+
+def _wait_until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once ``host:port`` accepts a connection; OSError at the deadline."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing accepted a connection there ({e})") from e
+            time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

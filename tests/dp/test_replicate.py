@@ -1,0 +1,119 @@
+"""replicate against the original module: same outputs, gradients summed into the original, buffers as torch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.dp.replicate import replicate
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = [pytest.param(["cpu"] * n, id=f"{n}xcpu") for n in (1, 2, 3, 8)] + [
+    pytest.param(["cuda:0"] * n, id=f"{n}xcuda0", marks=needs_cuda) for n in (2, 3)
+]
+
+
+def _net(device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).double().to(device)
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_every_replica_computes_what_the_original_computes(devices):
+    net = _net(devices[0]).eval()
+    x = torch.randn(6, 5, dtype=torch.float64, device=devices[0])
+    for replica in replicate(net, devices):
+        torch.testing.assert_close(replica(x), net(x))
+
+
+@pytest.mark.parametrize("devices", DEVICES)
+def test_gradients_of_all_replicas_accumulate_into_the_original(devices):
+    net = _net(devices[0])
+    reference = copy.deepcopy(net)
+    x = torch.randn(8 * len(devices), 5, dtype=torch.float64, device=devices[0])
+    chunks = x.chunk(len(devices))
+    # BatchNorm normalises per chunk, so the reference is the sum of per-chunk losses
+    sum(reference(c).pow(2).sum() for c in chunks).backward()
+    replicas = replicate(net, devices)
+    sum(r(c.to(d)).pow(2).sum() for r, c, d in zip(replicas, chunks, devices)).backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_the_first_replica_shares_buffers_so_its_running_stats_are_kept():
+    net = _net()
+    replicas = replicate(net, ["cpu"] * 3)
+    assert replicas[0][1].running_mean is net[1].running_mean
+    before = net[1].running_mean.clone()
+    replicas[1](torch.randn(4, 5, dtype=torch.float64))
+    torch.testing.assert_close(net[1].running_mean, before)
+    assert net[1].num_batches_tracked == 0
+    replicas[0](torch.randn(4, 5, dtype=torch.float64))
+    assert not torch.equal(net[1].running_mean, before)
+    assert net[1].num_batches_tracked == 1
+
+
+def test_replicas_are_independent_module_objects():
+    net = _net()
+    replicas = replicate(net, ["cpu"] * 2)
+    assert replicas[0] is not replicas[1] and replicas[0] is not net
+    assert replicas[0][0] is not replicas[1][0]
+    replicas[1].training = False
+    replicas[1].note = "only here"
+    assert net.training and replicas[0].training
+    assert not hasattr(net, "note") and not hasattr(replicas[0], "note")
+    assert replicas[1][1].running_var.data_ptr() != net[1].running_var.data_ptr()
+
+
+def test_replica_parameters_are_non_leaf_tensors_linked_to_the_original():
+    net = _net()
+    replica = replicate(net, ["cpu"] * 2)[1]
+    assert replica[0].weight.grad_fn is not None
+    assert list(replica.parameters()) == []  # as torch: replicas own no leaf parameters
+
+
+def test_detach_gives_replicas_without_an_autograd_link():
+    net = _net()
+    replicas = replicate(net, ["cpu"] * 3, detach=True)
+    assert replicas[0][0].weight is net[0].weight  # the first replica shares, as torch
+    assert all(not r[0].weight.requires_grad for r in replicas[1:])
+    torch.testing.assert_close(replicas[2][0].weight, net[0].weight.detach())
+
+
+def test_modules_with_none_parameters_and_buffers_replicate():
+    net = nn.Sequential(nn.Linear(3, 3, bias=False), nn.BatchNorm1d(3, track_running_stats=False)).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for replica in replicate(net, ["cpu"] * 2):
+        torch.testing.assert_close(replica(x), net(x))
+
+
+def test_no_devices_give_no_replicas():
+    assert replicate(_net(), []) == []
+
+
+def test_a_device_that_is_not_a_device_is_rejected():
+    with pytest.raises(TypeError, match=r"devices\[1\] must be an int.*found float"):
+        replicate(_net(), ["cpu", 1.5])
+
+
+@needs_cuda
+def test_a_cpu_module_replicated_onto_cuda_sends_gradients_back_to_the_cpu():
+    net = _net()
+    reference = copy.deepcopy(net)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    replicas = replicate(net, ["cuda:0", "cuda:0"])
+    assert replicas[1][0].weight.device == torch.device("cuda", 0)
+    sum(r(c.cuda()).sum() for r, c in zip(replicas, x.chunk(2))).backward()
+    sum(reference(c).sum() for c in x.chunk(2)).backward()
+    torch.testing.assert_close(net[0].weight.grad, reference[0].weight.grad)
+
+
+@needs_cuda
+def test_replicate_matches_torch_replicate_on_one_gpu():
+    from torch.nn.parallel import replicate as torch_replicate
+
+    net = _net("cuda:0").eval()
+    x = torch.randn(4, 5, dtype=torch.float64, device="cuda:0")
+    torch.testing.assert_close(replicate(net, [0])[0](x), torch_replicate(net, [0])[0](x))

@@ -1,0 +1,191 @@
+"""``ddpkit run``'s pure parts: torchrun's flags, the worker environment, exit descriptions. No processes."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit.launch.cli import main
+from ddpkit.launch.logs import _Console
+from ddpkit.launch.config import parse_args
+from ddpkit.launch.summary import describe_exit, traceback_tail
+from ddpkit.launch.workers import Placement, worker_env
+
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("flag, field, value, expected", [
+    ("--nproc-per-node", "nproc_per_node", "3", 3), ("--nproc_per_node", "nproc_per_node", "3", 3),
+    ("--node-rank", "node_rank", "1", 1), ("--node_rank", "node_rank", "1", 1),
+    ("--master-addr", "master_addr", "10.0.0.1", "10.0.0.1"),
+    ("--master_addr", "master_addr", "10.0.0.1", "10.0.0.1"),
+    ("--master-port", "master_port", "1234", 1234), ("--master_port", "master_port", "1234", 1234),
+    ("--max-restarts", "max_restarts", "2", 2), ("--max_restarts", "max_restarts", "2", 2),
+    ("--log-dir", "log_dir", "/x", "/x"), ("--log_dir", "log_dir", "/x", "/x"),
+    ("--shutdown-timeout", "grace_period", "7", 7.0), ("--grace-period", "grace_period", "7", 7.0),
+    ("--rdzv-timeout", "rdzv_timeout", "5", 5.0), ("--rdzv_id", "run_id", "job7", "job7"),
+])
+def test_flags_take_both_torchrun_spellings(flag, field, value, expected):
+    extra = ["--nnodes", "2"] if field == "node_rank" else []
+    config = parse_args([*extra, flag, value, "train.py"], environ={})
+    assert getattr(config, field) == expected
+
+
+def test_script_arguments_pass_through_untouched():
+    config = parse_args(["--nproc-per-node", "2", "train.py", "--nnodes", "3", "-m", "x y"], environ={})
+    assert config.command == (sys.executable, "-u", "train.py", "--nnodes", "3", "-m", "x y")
+    assert config.nnodes == 1 and config.nproc_per_node == 2
+
+
+def test_module_and_no_python_build_the_worker_command():
+    assert parse_args(["-m", "pkg.train", "--lr", "1"], environ={}).command == (
+        sys.executable, "-u", "-m", "pkg.train", "--lr", "1")
+    assert parse_args(["--no-python", "./run.sh", "a"], environ={}).command == ("./run.sh", "a")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        parse_args(["--no-python", "-m", "pkg"], environ={})
+
+
+def test_nnodes_accepts_a_number_and_rejects_an_elastic_range():
+    assert parse_args(["--nnodes", "2:2", "t.py"], environ={}).nnodes == 2
+    with pytest.raises(ValueError, match=r"--nnodes '1:4' asks for an elastic range.*--nnodes 4"):
+        parse_args(["--nnodes", "1:4", "t.py"], environ={})
+    with pytest.raises(ValueError, match=r"--node-rank 2 must be in \[0, 2\)"):
+        parse_args(["--nnodes", "2", "--node-rank", "2", "t.py"], environ={})
+
+
+def test_several_nodes_default_to_torchruns_port_one_node_to_a_free_one():
+    assert parse_args(["--nnodes", "2", "t.py"], environ={}).master_port == 29500
+    assert parse_args(["t.py"], environ={}).master_port is None
+
+
+def test_standalone_ignores_the_master_address_and_port():
+    config = parse_args(["--standalone", "--master-addr", "h", "--master-port", "5", "t.py"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes) == ("127.0.0.1", None, 1)
+    assert config.run_id != "none"
+    with pytest.raises(ValueError, match="--standalone runs a single node"):
+        parse_args(["--standalone", "--nnodes", "2", "t.py"], environ={})
+
+
+def test_nproc_per_node_words_mean_what_they_mean_in_torchrun():
+    assert parse_args(["--nproc-per-node", "cpu", "t.py"], environ={}).nproc_per_node == CORES
+    expected_auto = torch.cuda.device_count() if torch.cuda.is_available() else CORES
+    assert parse_args(["--nproc-per-node", "auto", "t.py"], environ={}).nproc_per_node == expected_auto
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--nproc-per-node gpu"):
+            parse_args(["--nproc-per-node", "gpu", "t.py"], environ={})
+    with pytest.raises(ValueError, match="'many' is not a positive integer"):
+        parse_args(["--nproc-per-node", "many", "t.py"], environ={})
+
+
+def test_pet_variables_set_defaults_as_in_torchrun():
+    config = parse_args(["t.py"], environ={"PET_NNODES": "3", "PET_NODE_RANK": "2",
+                                           "PET_MASTER_ADDR": "head", "PET_NPROC_PER_NODE": "4"})
+    assert (config.nnodes, config.node_rank, config.master_addr, config.nproc_per_node) == (3, 2, "head", 4)
+    assert parse_args(["--nnodes", "1", "t.py"], environ={"PET_NNODES": "3"}).nnodes == 1
+
+
+def test_other_rendezvous_backends_are_refused_with_a_hint():
+    with pytest.raises(ValueError, match="--rdzv-backend 'c10d' is not supported with --nnodes 2.*"
+                                         "--master-addr"):
+        parse_args(["--rdzv-backend", "c10d", "--nnodes", "2", "t.py"], environ={})
+    with pytest.raises(ValueError, match="--rdzv-backend 'etcd' is not supported"):
+        parse_args(["--rdzv-backend", "etcd", "t.py"], environ={})
+
+
+def test_torchruns_single_node_c10d_command_line_and_no_op_flags_parse():
+    config = parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-conf",
+                         "join_timeout=5", "--local-ranks-filter", "0", "--local_addr", "n1",
+                         "--nproc-per-node", "2", "t.py"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes, config.nproc_per_node) == (
+        "localhost", None, 1, 2)
+
+
+def test_torchrun_command_lines_with_endpoint_and_output_flags_parse():
+    config = parse_args(["--rdzv_endpoint=node0:29400", "--nnodes", "2", "--node-rank", "1", "--tee", "3",
+                         "-r", "3", "--start-method", "fork", "--run-path", "t.py", "-r", "x"], environ={})
+    assert (config.master_addr, config.master_port, config.nnodes) == ("node0", 29400, 2)
+    assert config.command[-3:] == ("t.py", "-r", "x")
+    assert parse_args(["--rdzv-endpoint", "localhost:0", "t.py"], environ={}).master_port is None
+    assert parse_args(["--rdzv-endpoint", "[::1]:7", "t.py"], environ={}).master_addr == "::1"
+
+
+def test_cli_reports_a_bad_flag_in_one_line(capsys):
+    assert main(["--nnodes", "1:8", "t.py"]) == 2
+    assert capsys.readouterr().err.startswith("ddpkit run: error: --nnodes '1:8' asks for an elastic")
+
+
+def test_worker_env_shares_the_cores_unless_omp_num_threads_is_set():
+    place = Placement(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, nnodes=2)
+    kw = dict(master_addr="h", master_port=5, attempt=1, max_restarts=2, run_id="r")
+    env = worker_env({"PATH": "/bin"}, place, **kw)
+    assert env["OMP_NUM_THREADS"] == str(max(1, CORES // 2))
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["TORCHELASTIC_RESTART_COUNT"]) == (
+        "3", "1", "1", "1")
+    assert env["PATH"] == "/bin"
+    assert worker_env({"OMP_NUM_THREADS": "8"}, place, **kw)["OMP_NUM_THREADS"] == "8"
+
+
+def test_workers_hear_whether_the_launchers_stderr_is_a_terminal():
+    place = Placement(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, nnodes=1)
+    kw = dict(master_addr="h", master_port=5, attempt=0, max_restarts=0, run_id="r")
+    assert worker_env({}, place, terminal=True, **kw)["DDPKIT_TERMINAL"] == "1"
+    assert "DDPKIT_TERMINAL" not in worker_env({"DDPKIT_TERMINAL": "1"}, place, **kw)  # an outer launcher's
+
+
+def test_exit_descriptions_name_the_signal_and_hint_at_oom():
+    assert describe_exit(1) == "exit code 1"
+    assert describe_exit(-9).startswith(
+        "killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
+    assert describe_exit(-11).startswith("killed by SIGSEGV")
+    assert describe_exit(137) == "exit code 137"  # exited by itself, e.g. a shell: not a signal
+
+
+def test_the_summary_shows_the_last_traceback():
+    lines = ["noise", "Traceback (most recent call last):", "  old", "E: first",
+             "warning", "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
+    assert traceback_tail(lines) == lines[5:]
+    assert traceback_tail(["a", "b"]) == ["a", "b"]
+
+
+def test_the_summary_shows_a_chained_exception_from_its_root_cause():
+    lines = ["noise", "Traceback (most recent call last):", "  old", "E: unrelated", "",
+             "Traceback (most recent call last):", '  File "t.py"', "KeyError: 'k'", "",
+             "The above exception was the direct cause of the following exception:", "",
+             "Traceback (most recent call last):", '  File "t.py"', "ValueError: x"]
+    assert traceback_tail(lines) == lines[5:]
+
+
+def test_a_bad_log_dir_is_one_line_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(["--log-dir", str(tmp_path / "file"), "t.py"]) == 2
+    assert capsys.readouterr().err == (f"ddpkit run: error: --log-dir '{tmp_path / 'file'}' is an "
+                                       "existing file, not a directory.\n")
+    assert main(["--log-dir", str(tmp_path / "file" / "logs"), "t.py"]) == 2
+    assert capsys.readouterr().err.startswith(f"ddpkit run: error: --log-dir '{tmp_path / 'file' / 'logs'}'"
+                                              " cannot be written to: Not a directory")
+
+
+def test_an_open_progress_line_is_ended_before_another_rank_writes():
+    console, stream, rank0, rank1 = _Console(), io.BytesIO(), object(), object()
+    out = io.TextIOWrapper(stream)
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 1", b"")])
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 2", b"")])
+    console.write(rank1, out, b"[rank1]: ", [(b"hello", b"\n")])
+    console.write(rank0, out, b"[rank0]: ", [(b"", b"\r"), (b"step 3", b""), (b"", b"\n")])
+    console.write(rank0, out, b"[rank0]: ", [(b"half a ", b"")])
+    console.write(rank0, out, b"[rank0]: ", [(b"line", b"\n")])
+    assert stream.getvalue() == (b"[rank0]: step 1\r[rank0]: step 2\n[rank1]: hello\n"
+                                 b"[rank0]: step 3\n[rank0]: half a line\n")
+
+
+@pytest.mark.parametrize("name", ["single_node.sh", "multi_node.sh", "slurm.sbatch", "torchrun.sh"])
+def test_launch_scripts_parse_and_show_their_usage(name):
+    path = Path(__file__).resolve().parents[2] / "launch" / name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    header = path.read_text().split("set -euo pipefail")[0]
+    assert f"launch/{name}" in header and os.access(path, os.X_OK)
