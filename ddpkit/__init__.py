@@ -29,7 +29,7 @@ from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point
 __version__ = "0.1.0"
 
 __all__ = [
-    "DDP", "DataParallel", "DistEnv", "DistributedDataParallel", "all_gather", "all_gather_object",
+    "DDP", "DataParallel", "DistEnv", "DistributedDataParallel", "all_gather", "all_gather_object", "comm", "env",
     "all_reduce", "barrier",
     "broadcast", "broadcast_object", "data_parallel", "detect", "expand_hostlist", "gather",
     "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
