@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         >>> model = ddpkit.DDP(nn.Linear(8, 2))
         >>> model(torch.randn(4, 8)).sum().backward()   # .grad is the average over ranks
     """
+
+    _reducer_options: ClassVar[dict[str, Any]] = {}
+    """Keyword arguments for the reducer (e.g. ``split_bytes``); a subclass sets them, the constructor
+    keeps torch's signature."""
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
@@ -140,7 +144,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                        self.bucket_bytes_cap, self._first_bucket_bytes,
                        find_unused_parameters=self.find_unused_parameters,
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
-                       static_graph=self.static_graph)
+                       static_graph=self.static_graph, **self._reducer_options)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore

@@ -42,7 +42,7 @@ from ddpkit.ddp.errors import (late_gradient_warning, second_gradient_error, sta
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
 
 SPLIT_BUCKET_BYTES = 12 * 1024 * 1024
-"""From this size on a bucket's Gloo all-reduce goes as two halves (see Reducer.all_reduce_bucket)."""
+"""The default ``split_bytes``: from this size on a bucket's Gloo all-reduce goes as two halves."""
 
 CommHook = Callable[[Any, Bucket], torch.futures.Future]
 
@@ -52,7 +52,8 @@ class Reducer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 split_bytes: int = SPLIT_BUCKET_BYTES):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -67,6 +68,7 @@ class Reducer:
         backend = dist.get_backend(process_group)
         self._split_large = self.params[0].device.type == "cpu" and ("gloo" in backend or backend == "undefined")
         self.comm_state: Any = None
+        self.split_bytes = split_bytes
         self._cap, self._first_cap = cap_bytes, first_cap_bytes
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
@@ -337,7 +339,7 @@ class Reducer:
         rank shadows a bucket through here too, so every rank issues the same collectives.
         """
         flat = bucket.flat
-        if self._split_large and flat.numel() * flat.element_size() >= SPLIT_BUCKET_BYTES:
+        if self._split_large and flat.numel() * flat.element_size() >= self.split_bytes:
             return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])
         return dist.all_reduce(flat, group=self.group, async_op=True)
 

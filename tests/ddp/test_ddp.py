@@ -259,6 +259,11 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
             model.head.weight.add_(rank)
             model.seen.fill_(10 * rank)
         cls._set_params_and_buffers_to_ignore_for_model(model, LocalHead.IGNORED)
+    if "split_bytes" in cfg and kind == "ddpkit":  # halve smaller buckets than real models need
+        class SplitDDP(ddpkit.DistributedDataParallel):
+            _reducer_options = {"split_bytes": cfg["split_bytes"]}
+
+        cls = SplitDDP
     ddp = cls(model, **kwargs)
     if cfg.get("set_static_graph"):  # torch's own error messages recommend this private call
         ddp._set_static_graph()
@@ -269,10 +274,6 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
             p.register_post_accumulate_grad_hook(_USER_HOOKS[cfg["user_hook"]])
     opt = SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(7 + rank)
-    if "split_bytes" in cfg and kind == "ddpkit":  # halve smaller buckets than real models need
-        import ddpkit.ddp.reducer
-
-        split_before, ddpkit.ddp.reducer.SPLIT_BUCKET_BYTES = ddpkit.ddp.reducer.SPLIT_BUCKET_BYTES, cfg["split_bytes"]
     uneven = cfg.get("uneven")
     if uneven == "last_rank_first":  # the rank that uses the 'some' branch joins first
         import torch.distributed as dist
@@ -315,8 +316,6 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
                 opt.step()
                 if not cfg.get("zero_grad_after_forward"):
                     opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
-    if "split_bytes" in cfg and kind == "ddpkit":
-        ddpkit.ddp.reducer.SPLIT_BUCKET_BYTES = split_before
     state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
     grads_none = [p.grad is None for p in ddp.parameters()]
     if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):

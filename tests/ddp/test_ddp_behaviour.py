@@ -315,16 +315,13 @@ def _properties_worker() -> dict:
     out["launches"] = events.count("launch")
 
     # on Gloo a large bucket's all-reduce goes as two halves
-    from ddpkit.ddp import reducer as reducer_module
-
     events.clear()
-    split_before, reducer_module.SPLIT_BUCKET_BYTES = reducer_module.SPLIT_BUCKET_BYTES, 256 * 257 * 4 + 1
+    ddp.reducer.split_bytes = 256 * 257 * 4 + 1
     dist.all_reduce = recording_all_reduce
     try:
         ddp(torch.randn(4, 256)).sum().backward()
     finally:
         dist.all_reduce = real_all_reduce
-        reducer_module.SPLIT_BUCKET_BYTES = split_before
     out["halved_launches"] = events.count("launch")
 
     # gradients equal single-process training on the concatenated batch
