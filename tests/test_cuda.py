@@ -1,6 +1,8 @@
 """CUDA and NCCL paths (one GPU is enough): skipped, with the reason, on machines without CUDA."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -64,3 +66,72 @@ def test_nccl_world_of_one_collectives_and_ddp_match_torch():
     assert out["gather"] == [[0.0, 1.0, 2.0]] and out["scatter"] == [0.0, 1.0, 2.0, 3.0]
     assert out["object"] == {"a": 1}
     assert out["max_diff"] <= 1e-5
+
+
+
+class _Net(torch.nn.Module):
+    """A big layer (its gradient is scaled into its bucket by its own hook), a BatchNorm buffer, small
+    layers, and a branch only some ranks use."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(256, 128)
+        self.bn = torch.nn.BatchNorm1d(128)
+        self.small = torch.nn.Linear(128, 8)
+        self.some = torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_some=False):
+        out = self.small(self.bn(self.big(x)).relu())
+        return self.some(out) if use_some else out
+
+
+SHARED_GPU_CONFIGS = [
+    {"name": "defaults"},
+    {"name": "tiny_buckets", "kwargs": {"bucket_cap_mb": 0.01}},
+    {"name": "gradient_as_bucket_view", "kwargs": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.01}},
+    {"name": "find_unused", "kwargs": {"find_unused_parameters": True}, "unused": True},
+    {"name": "static_graph", "kwargs": {"static_graph": True}},
+    {"name": "no_sync", "no_sync": True},
+    {"name": "fp16_hook", "hook": "fp16_compress_hook", "tolerance": 2e-3},
+    {"name": "no_broadcast_buffers", "kwargs": {"broadcast_buffers": False}},
+]
+
+
+def _shared_gpu_training(configs: list[dict]) -> dict[str, float]:
+    """Per configuration, the largest difference between ddpkit's and torch's DDP after training."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    device = torch.device("cuda", 0)
+    rank = dist.get_rank()
+    results = {}
+    for cfg in configs:
+        states = []
+        for cls in (ddpkit.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+            torch.manual_seed(0)
+            ddp = cls(_Net().to(device), device_ids=[0], **cfg.get("kwargs", {}))
+            if "hook" in cfg:
+                ddp.register_comm_hook(None, getattr(default_hooks, cfg["hook"]))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            data = torch.Generator().manual_seed(7 + rank)
+            for step in range(6):
+                x = torch.randn(16, 256, generator=data).to(device)
+                local = cfg.get("no_sync") and step % 3 != 2
+                with ddp.no_sync() if local else contextlib.nullcontext():
+                    out = ddp(x, use_some=rank == 1 if cfg.get("unused") else True)
+                    out.square().mean().backward()
+                if not local:
+                    opt.step()
+                    opt.zero_grad()
+            assert all(p.device == device for p in ddp.parameters())
+            states.append({k: v.detach().cpu() for k, v in ddp.state_dict().items()})
+        results[cfg["name"]] = max((a.double() - b.double()).abs().max().item()
+                                   for a, b in zip(states[0].values(), states[1].values()))
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_sharing_one_gpu_over_gloo_train_like_torch_ddp():
+    """The reducer on CUDA tensors across ranks: buckets, bucket views, unused parameters, hooks."""
+    for results in run_ranks(_shared_gpu_training, 2, args=(SHARED_GPU_CONFIGS,), timeout=280):
+        for cfg in SHARED_GPU_CONFIGS:
+            assert results[cfg["name"]] <= cfg.get("tolerance", 1e-5), (cfg["name"], results[cfg["name"]])
