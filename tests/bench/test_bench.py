@@ -28,7 +28,8 @@ TABLE_HEADERS = [
 def quick_run(tmp_path_factory):
     """One ``ddpkit bench --quick --json`` run shared by the tests that read its output."""
     out = tmp_path_factory.mktemp("bench") / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--backend", "gloo",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=60)
     return proc, out
 
