@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ddpkit.bench.ddp_step import Stepper, ddpkit_ddp_class, make_stepper, time_interleaved
+from ddpkit.bench.ddp_step import Stepper, make_stepper, time_interleaved
 from ddpkit.bench.report import Table, fmt_bytes, median, summarize
 
 __all__ = ["BUCKET_CAPS_MB", "HOOKS", "sweep_configs", "count_all_reduce", "run_buckets",
@@ -71,8 +71,6 @@ def _stepper(impl: str, cap: float, hook: str, model: str, quick: bool,
 def run_buckets(model_names: list[str], quick: bool, repeats: int, steps: int,
                 device: torch.device) -> list[dict]:
     """One row per (model, config): step-time statistics and measured all-reduce traffic."""
-    if ddpkit_ddp_class() is None:
-        return []
     world_size = dist.get_world_size()
     rows = []
     for model in model_names:
@@ -105,6 +103,4 @@ def buckets_table(rows: list[dict], world_size: int) -> Table:
                   *(f"{r[k] * 1e3:.2f}" for k in ("median", "q1", "q3", "cpu_median")))
     table.notes.append("all-reduced: bytes handed to all_reduce per step (measured); sent per rank: "
                        "x 2(n-1)/n for a ring. torch's DDP all-reduces in C++, so it is not counted.")
-    if not rows:
-        table.notes.append("n/a: ddpkit.ddp.distributed is not available in this checkout.")
     return table

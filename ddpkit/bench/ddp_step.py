@@ -23,8 +23,9 @@ from torch import nn
 from ddpkit.bench.models import build_model, make_batch
 from ddpkit.bench.report import Table, median, quantile, summarize
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
+from ddpkit.ddp.distributed import DistributedDataParallel
 
-__all__ = ["VARIANTS", "Stepper", "ddpkit_ddp_class", "make_ddp", "make_stepper",
+__all__ = ["VARIANTS", "Stepper", "make_ddp", "make_stepper",
            "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
 
 VARIANTS = ("local", "ddpkit", "torch", "floor")
@@ -60,25 +61,13 @@ class Stepper:
         self.opt.step()
 
 
-def ddpkit_ddp_class() -> type | None:
-    """ddpkit's own DistributedDataParallel, or None while it is not part of this checkout."""
-    try:
-        from ddpkit.ddp.distributed import DistributedDataParallel
-    except ImportError:
-        return None
-    return DistributedDataParallel
-
-
 def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn.Module:
     """Wrap ``model`` in ddpkit's (``kind="ddpkit"``) or torch's (``"torch"``) DDP."""
     device_ids = [device.index] if device.type == "cuda" else None
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
     if kind == "ddpkit":
-        cls = ddpkit_ddp_class()
-        if cls is None:
-            raise RuntimeError("ddpkit.ddp.distributed is not available in this checkout.")
-        return cls(model, device_ids=device_ids, **options)
+        return DistributedDataParallel(model, device_ids=device_ids, **options)
     raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
 
 
@@ -102,8 +91,8 @@ def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Steppe
 
 
 def make_stepper(variant: str, model_name: str, quick: bool, device: torch.device,
-                 set_to_none: bool = True, **ddp_options) -> Stepper | None:
-    """One training step of ``variant`` on a fresh copy of the model; None if it is unavailable.
+                 set_to_none: bool = True, **ddp_options) -> Stepper:
+    """One training step of ``variant`` on a fresh copy of the model.
 
     ``set_to_none`` is ``zero_grad``'s (the floor always zeroes its flat buffer in place).
     """
@@ -113,8 +102,6 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
     if variant == "floor":
         return _floor_stepper(model, x, y)
     if variant in ("ddpkit", "torch"):
-        if variant == "ddpkit" and ddpkit_ddp_class() is None:
-            return None
         model = make_ddp(variant, model, device, **ddp_options)
     elif variant != "local":
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
@@ -159,9 +146,8 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
     rows = []
     for model_name in model_names:
         steppers = {v: make_stepper(v, model_name, quick, device) for v in VARIANTS}
-        available = {v: s for v, s in steppers.items() if s is not None}
         cpu: dict[str, list[float]] = {}
-        timings = time_interleaved(available, repeats, steps, warmup=2, device=device, cpu_out=cpu)
+        timings = time_interleaved(steppers, repeats, steps, warmup=2, device=device, cpu_out=cpu)
         for variant in VARIANTS:
             row = {"model": model_name, "variant": variant, "available": variant in timings}
             if variant in timings:

@@ -18,7 +18,7 @@ from typing import Callable
 import psutil
 import torch
 
-from ddpkit.bench.ddp_step import ddpkit_ddp_class, make_stepper
+from ddpkit.bench.ddp_step import make_stepper
 from ddpkit.bench.report import Table, fmt_bytes
 from ddpkit.bench.sync import max_over_ranks
 
@@ -134,7 +134,7 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
 
 
 def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3) -> list[dict]:
-    kinds = ["ddpkit", "torch"] if ddpkit_ddp_class() is not None else ["torch"]
+    kinds = ["ddpkit", "torch"]
     # a first, discarded run pays the process's one-time allocations (gloo buffers, caches)
     _measure(kinds[-1], model_names[0], quick, device, False, steps)
     return [_measure(kind, model, quick, device, view, steps)
@@ -157,6 +157,4 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
                        "backward allocates fresh grads either way); retained: held after the steps.")
     table.notes.append("steps use zero_grad(set_to_none=False); with set_to_none=True autograd "
                        "allocates fresh grads every backward and the peak does not drop with the view.")
-    if not any(r["impl"] == "ddpkit" for r in rows):
-        table.notes.append("ddpkit rows n/a: ddpkit.ddp.distributed is not available in this checkout.")
     return table

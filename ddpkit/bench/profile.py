@@ -70,8 +70,6 @@ def run_profile(model_names: list[str], quick: bool, steps: int, device: torch.d
     for model in model_names:
         steppers = {v: make_stepper(v, model, quick, device) for v in VARIANTS}
         for variant, step in steppers.items():
-            if step is None:
-                continue
             for _ in range(2):
                 step()
             phases = time_phases(step, steps, device)
@@ -79,8 +77,6 @@ def run_profile(model_names: list[str], quick: bool, steps: int, device: torch.d
             rows.append({"model": model, "variant": variant,
                          **{p: float(m) for p, m in zip(PHASES, medians)}})
         for variant in ("ddpkit", "torch"):
-            if steppers[variant] is None:
-                continue
             barrier(device)
             if dist.get_rank() == 0:
                 listings[f"{model}/{variant}"] = cprofile_text(steppers[variant], steps)
