@@ -33,7 +33,8 @@ class Config:
     join: dict[str, Any] = field(default_factory=dict, hash=False)  # join()'s arguments
     some_only_in_local_steps: bool = False  # the 'unused' model's branch runs in no_sync steps only
     discarded_forward: bool = False  # a forward whose output no backward reaches
-    two_forwards: dict[str, Any] | None = field(default=None, hash=False)  # rank 0's second forward's kwargs
+    # a second forward before the one backward, with these kwargs on rank 0 ({}: none); None: one forward
+    two_forwards: dict[str, Any] | None = field(default=None, hash=False)
     gradient_penalty: bool = False  # autograd.grad through the outputs before backward
     second_backward: bool = False  # a second backward through the same forward
     tolerance: float = 1e-5  # largest difference allowed in any parameter or buffer

@@ -300,7 +300,7 @@ def _train(kind: str, cfg: Config, rank: int) -> dict:
                     ddp(x + 1, **forward_kwargs)
                 out = ddp(x, **forward_kwargs)
                 out = out.logits if isinstance(out, PlainOutput) else out
-                if cfg.two_forwards:  # a siamese loss: two forwards, one backward
+                if cfg.two_forwards is not None:  # a siamese loss: two forwards, one backward
                     out = out - ddp(x.flip(0) * 2, **(cfg.two_forwards if rank == 0 else {}))
                 loss = out.square().mean()
                 if cfg.gradient_penalty:  # WGAN-GP: autograd.grad through the outputs first
