@@ -2,17 +2,22 @@
 
 Each configuration trains the same model from the same start with both classes on 2 or 3 Gloo ranks,
 different data per rank, SGD with momentum; parameters, buffers and which grads are None must agree.
-Many configurations share one spawned run to keep the suite fast.
+Every configuration (configs.py) is its own test, named after it; all those of one world size share
+one spawned run, which a configuration that raises does not stop.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import warnings
+from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
 
+from configs import CONFIGS, THREE_RANKS, Config
 from ranks import run_ranks
 
 IN = 6
@@ -246,66 +251,65 @@ def _drop(p: nn.Parameter) -> None:  # e.g. an optimizer step in backward that f
 _USER_HOOKS = {"double": _double_in_place, "replace": _double_out_of_place, "drop": _drop}
 
 
-def _train(kind: str, cfg: dict, rank: int) -> dict:
+def _train(kind: str, cfg: Config, rank: int) -> dict:
     """Train one model with ddpkit's ('ddpkit') or torch's ('torch') DDP; return its final state."""
     import ddpkit
 
-    torch.manual_seed(1000 + (rank if cfg.get("different_init") else 0))
+    torch.manual_seed(1000 + (rank if cfg.different_init else 0))
     cls = ddpkit.DistributedDataParallel if kind == "ddpkit" else nn.parallel.DistributedDataParallel
-    kwargs = cfg.get("torch_kwargs", cfg.get("kwargs", {})) if kind == "torch" else cfg.get("kwargs", {})
-    model = _model(cfg.get("model", "mlp"))
-    if cfg.get("model") == "local_head":
+    kwargs = cfg.kwargs if kind == "ddpkit" or cfg.torch_kwargs is None else cfg.torch_kwargs
+    model = _model(cfg.model)
+    if cfg.model == "local_head":
         with torch.no_grad():
             model.head.weight.add_(rank)
             model.seen.fill_(10 * rank)
         cls._set_params_and_buffers_to_ignore_for_model(model, LocalHead.IGNORED)
-    if "split_bytes" in cfg and kind == "ddpkit":  # halve smaller buckets than real models need
+    if cfg.split_bytes is not None and kind == "ddpkit":  # halve smaller buckets than real models need
         class SplitDDP(ddpkit.DistributedDataParallel):
-            _reducer_options = {"split_bytes": cfg["split_bytes"]}
+            _reducer_options = {"split_bytes": cfg.split_bytes}
 
         cls = SplitDDP
     ddp = cls(model, **kwargs)
-    if cfg.get("set_static_graph"):  # torch's own error messages recommend this private call
+    if cfg.set_static_graph:  # torch's own error messages recommend this private call
         ddp._set_static_graph()
-    if "hook" in cfg:
-        ddp.register_comm_hook(None, _hook(kind, cfg["hook"]))
-    if "user_hook" in cfg:  # registered after wrapping: what it leaves in .grad is what is averaged
+    if cfg.hook is not None:
+        ddp.register_comm_hook(None, _hook(kind, cfg.hook))
+    if cfg.user_hook is not None:  # registered after wrapping: what it leaves in .grad is what is averaged
         for p in ddp.module.parameters():
-            p.register_post_accumulate_grad_hook(_USER_HOOKS[cfg["user_hook"]])
+            p.register_post_accumulate_grad_hook(_USER_HOOKS[cfg.user_hook])
     opt = SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(7 + rank)
-    uneven = cfg.get("uneven")
-    if uneven == "last_rank_first":  # the rank that uses the 'some' branch joins first
+    if cfg.uneven == "last_rank_first":  # the rank that uses the 'some' branch joins first
         import torch.distributed as dist
 
         rank_order = dist.get_world_size() - 1 - rank
     else:
         rank_order = rank
-    steps = cfg.get("steps", 4) + (2 * rank_order if uneven else 0)
-    forward_kwargs = {"use_some": rank == 1} if cfg.get("model") == "unused" else {}
-    with ddp.join(**cfg.get("join", {})) if cfg.get("uneven") else contextlib.nullcontext():
+    steps = cfg.steps + (2 * rank_order if cfg.uneven else 0)
+    forward_kwargs = {"use_some": rank == 1} if cfg.model == "unused" else {}
+    with ddp.join(**cfg.join) if cfg.uneven else contextlib.nullcontext():
         for step in range(steps):
-            x = x_in = (torch.randn(5, IN, generator=data) + rank).requires_grad_(cfg.get("gradient_penalty", False))
-            local = cfg.get("accumulate") and step % 3 != 2
-            if cfg.get("some_only_in_local_steps"):
-                forward_kwargs = {"use_some": bool(local)}
-            if local and cfg["accumulate"] == "attribute":
+            x = x_in = (torch.randn(5, IN, generator=data) + rank).requires_grad_(cfg.gradient_penalty)
+            local = cfg.accumulate is not None and step % 3 != 2
+            if cfg.some_only_in_local_steps:
+                forward_kwargs = {"use_some": local}
+            if local and cfg.accumulate == "attribute":
                 ddp.require_backward_grad_sync = False
-            with ddp.no_sync() if local and cfg["accumulate"] == "no_sync" else contextlib.nullcontext():
-                if cfg.get("discarded_forward"):  # e.g. evaluation without torch.no_grad()
+            with ddp.no_sync() if local and cfg.accumulate == "no_sync" else contextlib.nullcontext():
+                if cfg.discarded_forward:  # e.g. evaluation without torch.no_grad()
                     ddp(x + 1, **forward_kwargs)
                 out = ddp(x, **forward_kwargs)
                 out = out.logits if isinstance(out, PlainOutput) else out
-                if cfg.get("two_forwards"):  # a siamese loss: two forwards, one backward
-                    out = out - ddp(x.flip(0) * 2, **(cfg["two_forwards"] if rank == 0 else {}))
+                if cfg.two_forwards is not None:  # a siamese loss: two forwards, one backward
+                    out = out - ddp(x.flip(0) * 2, **(cfg.two_forwards if rank == 0 else {}))
                 loss = out.square().mean()
-                if cfg.get("gradient_penalty"):  # WGAN-GP: autograd.grad through the outputs first
+                if cfg.gradient_penalty:  # WGAN-GP: autograd.grad through the outputs first
                     slope, = torch.autograd.grad(out.sum(), x_in, create_graph=True)
                     loss = loss + slope.square().mean()
-                if cfg.get("zero_grad_after_forward"):  # pytorch/examples' ImageNet order
-                    opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
-                loss.backward(retain_graph=cfg.get("second_backward", False))
-                if cfg.get("second_backward"):  # its gradients stay local, in both DDPs
+                if cfg.zero_grad_after_forward:  # pytorch/examples' ImageNet order
+                    opt.zero_grad(set_to_none=cfg.set_to_none)
+                loss.backward(retain_graph=cfg.second_backward)
+                if cfg.second_backward:  # its gradients stay local, in both DDPs
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
                         out.sum().backward()
@@ -314,11 +318,11 @@ def _train(kind: str, cfg: dict, rank: int) -> dict:
                 views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
                 strides = [None if p.grad is None else p.grad.stride() for p in ddp.parameters()]
                 opt.step()
-                if not cfg.get("zero_grad_after_forward"):
-                    opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+                if not cfg.zero_grad_after_forward:
+                    opt.zero_grad(set_to_none=cfg.set_to_none)
     state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
     grads_none = [p.grad is None for p in ddp.parameters()]
-    if not cfg.get("kwargs", {}).get("gradient_as_bucket_view"):
+    if not cfg.kwargs.get("gradient_as_bucket_view"):
         views = None
     return {"state": state, "grads_none": grads_none, "views": views, "strides": strides}
 
@@ -329,154 +333,97 @@ def _grads_are_bucket_views(ddp) -> bool:
                for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore)
 
 
-def _compare_worker(configs: list[dict]) -> list[dict]:
+# A rank left waiting in a collective by a configuration that raised on another rank gives up after
+# this long, so that one configuration's failure costs seconds, not the whole run's deadline.
+COLLECTIVE_TIMEOUT = 30.0
+RUN_TIMEOUT = 100.0
+
+
+def _compare_worker(configs: list[Config]) -> list[dict]:
+    """Train every configuration with both DDPs; one that raises yields its traceback instead.
+
+    After each configuration the ranks tell each other through the store, which no collective can
+    block, whether they finished it. If one did not, the others may have stopped in different
+    collectives, so the process group is made afresh before the next configuration.
+    """
+    import ddpkit
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    return [{"ddpkit": _train("ddpkit", cfg, rank), "torch": _train("torch", cfg, rank)}
-            for cfg in configs]
+    ddpkit.init(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        store = dist.PrefixStore("test_ddp/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+            timeout=timedelta(seconds=RUN_TIMEOUT), wait_for_workers=False))
+        results = []
+        for index, cfg in enumerate(configs):
+            try:
+                results.append({"ddpkit": _train("ddpkit", cfg, rank), "torch": _train("torch", cfg, rank)})
+            except Exception:  # noqa: BLE001 - reported by this configuration's own test
+                results.append({"error": traceback.format_exc()})
+            store.set(f"{index}/{rank}", "error" if "error" in results[-1] else "ok")
+            if any(store.get(f"{index}/{r}") != b"ok" for r in range(world_size)):
+                dist.destroy_process_group()
+                dist.init_process_group("gloo", store=dist.PrefixStore(f"{index}/group/", store), rank=rank,
+                                        world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
+        return results
+    finally:
+        ddpkit.shutdown()
 
 
-CONFIGS = {
-    "defaults": {},
-    "tiny_buckets": {"kwargs": {"bucket_cap_mb": 0.0002}},
-    "wide_default_buckets": {"model": "wide", "steps": 3},
-    "wide_several_buckets": {"model": "wide", "steps": 3, "kwargs": {"bucket_cap_mb": 0.5}},
-    "wide_no_sync": {"model": "wide", "accumulate": "no_sync", "steps": 6},
-    "wide_allreduce_hook": {"model": "wide", "steps": 3, "hook": "allreduce_hook"},
-    "wide_grad_as_bucket_view": {"model": "wide", "steps": 3, "kwargs": {"gradient_as_bucket_view": True}},
-    "user_hook_in_place": {"model": "wide", "steps": 3, "user_hook": "double"},
-    "user_hook_replaces_grad": {"model": "wide", "steps": 3, "user_hook": "replace"},
-    "user_hook_drops_grad": {"model": "wide", "steps": 3, "user_hook": "drop"},
-    "user_hook_tiny_buckets": {"user_hook": "double", "kwargs": {"bucket_cap_mb": 0.0003}},
-    "wide_join_divide_by_active_ranks": {"model": "wide", "steps": 3, "uneven": True,
-                                         "join": {"divide_by_initial_world_size": False}},
-    "different_init": {"different_init": True},
-    "rebuilt_into_fewer_buckets": {"model": "reordered", "kwargs": {"bucket_cap_mb": 800 / 2**20}},
-    "grad_as_bucket_view": {"kwargs": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}},
-    "grad_as_bucket_view_zeroed": {"kwargs": {"gradient_as_bucket_view": True}, "set_to_none": False},
-    "no_sync": {"accumulate": "no_sync", "steps": 6},
-    "require_backward_grad_sync": {"accumulate": "attribute", "steps": 6, "set_to_none": False},
-    "static_graph": {"kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
-    "static_graph_checkpointed_twice": {"model": "checkpointed_twice", "kwargs": {"static_graph": True}},
-    "static_graph_checkpointed_twice_tiny_buckets": {
-        "model": "checkpointed_twice", "kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
-    "static_graph_checkpointed_inside_and_out": {"model": "checkpointed_inside_and_out", "steps": 5,
-                                                 "kwargs": {"static_graph": True}},
-    "static_graph_checkpointed_whole": {"model": "checkpointed_whole", "kwargs": {"static_graph": True}},
-    "gradient_penalty": {"gradient_penalty": True},
-    # torch's static_graph averages at the end of the autograd.grad call in its first iteration,
-    # before any gradient exists (off by 1.5e-2 from single-process training, where ddpkit is
-    # exact): the reference is torch without static_graph
-    "static_graph_gradient_penalty": {"gradient_penalty": True, "kwargs": {"static_graph": True},
-                                      "torch_kwargs": {}},
-    "static_graph_checkpointed_find_unused": {
-        "model": "checkpointed_twice", "kwargs": {"static_graph": True, "find_unused_parameters": True}},
-    # torch's static_graph fails an INTERNAL ASSERT when the first backward is a no_sync one; the
-    # reference is torch without static_graph, which computes the same thing
-    "static_graph_no_sync": {"accumulate": "no_sync", "steps": 6, "kwargs": {"static_graph": True},
-                             "torch_kwargs": {}},
-    "second_backward_through_one_forward": {"second_backward": True},
-    "plain_output_checkpointed_last": {"model": "plain_output_checkpointed_last"},
-    "params_and_buffers_to_ignore": {"model": "local_head"},
-    "params_and_buffers_to_ignore_bucket_view": {"model": "local_head", "kwargs": {"gradient_as_bucket_view": True}},
-    "set_static_graph_after_construction": {"model": "checkpointed_twice", "set_static_graph": True},
-    "set_static_graph_find_unused": {"model": "unused", "set_static_graph": True,
-                                     "kwargs": {"find_unused_parameters": True}},
-    "complex_parameters": {"model": "complex"},
-    "complex_parameters_join": {"model": "complex", "uneven": True},
-    # a hook sees complex gradients as real numbers, twice as many, as torch shows them
-    "complex_parameters_allreduce_hook": {"model": "complex", "hook": "allreduce_hook"},
-    "complex_parameters_fp16_hook": {"model": "complex", "hook": "fp16_compress_hook"},
-    "complex_parameters_fp16_wrapper": {"model": "complex", "hook": "fp16_wrapped_allreduce"},
-    "channels_last": {"model": "channels_last"},
-    "channels_last_grad_as_bucket_view": {"model": "channels_last", "set_to_none": False,
-                                          "kwargs": {"gradient_as_bucket_view": True}},
-    "one_bucket_per_parameter": {"kwargs": {"bucket_cap_mb": 0}},
-    "find_unused": {"model": "unused", "kwargs": {"find_unused_parameters": True}},
-    "find_unused_tiny_buckets": {"model": "unused",
-                                 "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0002}},
-    "static_graph_unused": {"model": "unused", "kwargs": {"static_graph": True}},
-    "batchnorm_broadcast": {"model": "bn"},
-    "batchnorm_no_broadcast": {"model": "bn", "kwargs": {"broadcast_buffers": False}},
-    "batchnorm_no_sync": {"model": "bn", "accumulate": "no_sync", "steps": 6},
-    "allreduce_hook": {"hook": "allreduce_hook", "kwargs": {"bucket_cap_mb": 0.0003}},
-    "fp16_hook": {"hook": "fp16_compress_hook"},
-    "bf16_hook": {"hook": "bf16_compress_hook"},
-    "fp16_wrapper_of_allreduce_hook": {"hook": "fp16_wrapped_allreduce", "model": "wide", "steps": 3},
-    # a hook acting on whole buckets: torch's layout before and after the rebuild, small first bucket
-    "bucket_norm_hook": {"hook": "bucket_norm", "model": "wide", "steps": 3},
-    "bucket_norm_hook_tiny_buckets": {"hook": "bucket_norm", "kwargs": {"bucket_cap_mb": 0.0003}},
-    # torch gives the 1 MiB first bucket to the default cap only, not to a 25 the caller passed
-    "bucket_norm_hook_cap_25_passed": {"hook": "bucket_norm", "model": "wide", "steps": 3,
-                                       "kwargs": {"bucket_cap_mb": 25}},
-    "bucket_norm_hook_static_graph_unused": {"hook": "bucket_norm", "model": "unused",
-                                             "kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
-    "bucket_norm_hook_set_static_graph_find_unused": {
-        "hook": "bucket_norm", "model": "unused", "set_static_graph": True,
-        "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0003}},
-    "bucket_norm_hook_find_unused": {"hook": "bucket_norm", "model": "unused",
-                                     "kwargs": {"find_unused_parameters": True, "bucket_cap_mb": 0.0003}},
-    "bucket_norm_hook_static_graph": {"hook": "bucket_norm", "steps": 5,
-                                      "kwargs": {"static_graph": True, "bucket_cap_mb": 0.0003}},
-    "find_unused_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
-                                            "kwargs": {"find_unused_parameters": True}},
-    "find_unused_zeroed_after_forward": {"model": "unused", "zero_grad_after_forward": True,
-                                         "set_to_none": False, "kwargs": {"find_unused_parameters": True}},
-    "static_graph_zero_grad_after_forward": {"model": "unused", "zero_grad_after_forward": True,
-                                             "kwargs": {"static_graph": True}},
-    "two_forwards_one_backward": {"two_forwards": {}},
-    "two_forwards_find_unused": {"model": "unused", "two_forwards": {"use_some": False},
-                                 "kwargs": {"find_unused_parameters": True}},
-    "discarded_forward": {"discarded_forward": True, "model": "bn"},
-    "two_forwards_batchnorm": {"two_forwards": {}, "model": "bn"},
-    "find_unused_branch_used_only_in_no_sync": {"model": "unused", "accumulate": "no_sync", "steps": 6,
-                                                "some_only_in_local_steps": True,
-                                                "kwargs": {"find_unused_parameters": True}},
-    "buffer_replaced_out_of_place": {"model": "moving_average"},
-    "discarded_forward_find_unused": {"discarded_forward": True, "model": "unused",
-                                      "kwargs": {"find_unused_parameters": True}},
-    # a large bucket's all-reduce goes as two halves on Gloo; a joined rank must shadow both
-    "bucket_halves": {"split_bytes": 256, "kwargs": {"bucket_cap_mb": 0.0005}},
-    "bucket_halves_join": {"split_bytes": 256, "uneven": True, "model": "wide"},
-    "bucket_halves_find_unused_join": {"split_bytes": 256, "uneven": True, "model": "unused",
-                                       "kwargs": {"find_unused_parameters": True}},
-    "join_uneven": {"uneven": True},
-    "join_divide_by_active_ranks": {"uneven": True, "join": {"divide_by_initial_world_size": False}},
-    "join_uneven_bn": {"uneven": True, "model": "bn", "kwargs": {"bucket_cap_mb": 0.0003}},
-    "join_uneven_unused": {"uneven": True, "model": "unused", "kwargs": {"find_unused_parameters": True}},
-    # torch's joined rank sends its last used map again: 'some' gets zeros, not None, afterwards
-    "join_unused_user_joins_first": {"uneven": "last_rank_first", "model": "unused",
-                                     "kwargs": {"find_unused_parameters": True}},
-}
-TOLERANCE = {"fp16_hook": 2e-3, "bf16_hook": 2e-2, "complex_parameters_fp16_hook": 2e-3}
-THREE_RANKS = ["defaults", "static_graph_checkpointed_twice", "tiny_buckets", "different_init", "find_unused",
-               "batchnorm_broadcast", "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook", "grad_as_bucket_view",
-               "wide_join_divide_by_active_ranks", "join_unused_user_joins_first", "bucket_halves_join"]
+def _run(request: pytest.FixtureRequest, world_size: int, fixture: str) -> dict[str, list[dict]] | Exception:
+    """Run, in one spawn, the configurations of the selected tests that use ``fixture``.
+
+    Returns each configuration's per-rank results by name, or why the whole run failed.
+    """
+    selected = {item.callspec.params["cfg"].name for item in request.session.items
+                if fixture in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")}
+    configs = [cfg for cfg in CONFIGS if cfg.name in selected]
+    try:
+        per_rank = run_ranks(_compare_worker, world_size, args=(configs,), init=False, timeout=RUN_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - every test of this run reports it
+        return e
+    return {cfg.name: [results[i] for results in per_rank] for i, cfg in enumerate(configs)}
 
 
-def _check(names: list[str], results: list[list[dict]]) -> None:
-    for rank, per_rank in enumerate(results):
-        for name, got in zip(names, per_rank):
-            mine, ref = got["ddpkit"], got["torch"]
-            assert mine["grads_none"] == ref["grads_none"], (name, rank)
-            assert mine["strides"] == ref["strides"], (name, rank, "gradient layout")
-            assert mine["state"].keys() == ref["state"].keys(), (name, rank)
-            for key, value in ref["state"].items():
-                wide = torch.complex128 if value.is_complex() else torch.float64  # both parts
-                diff = (mine["state"][key].to(wide) - value.to(wide)).abs().max().item()
-                assert diff <= TOLERANCE.get(name, 1e-5), f"{name}: rank {rank} {key} differs by {diff}"
-            if mine["views"] is not None:
-                assert mine["views"], f"{name}: a .grad is not a view into a bucket"
+@pytest.fixture(scope="module")
+def two_ranks(request: pytest.FixtureRequest) -> dict[str, list[dict]] | Exception:
+    return _run(request, 2, "two_ranks")
 
 
-@pytest.mark.timeout(120)
-def test_trains_like_torch_ddp_in_every_configuration_on_two_ranks():
-    names = list(CONFIGS)
-    _check(names, run_ranks(_compare_worker, 2, args=([CONFIGS[n] for n in names],), timeout=100))
+@pytest.fixture(scope="module")
+def three_ranks(request: pytest.FixtureRequest) -> dict[str, list[dict]] | Exception:
+    return _run(request, 3, "three_ranks")
 
 
-@pytest.mark.timeout(120)
-def test_trains_like_torch_ddp_on_three_ranks():
-    _check(THREE_RANKS, run_ranks(_compare_worker, 3, args=([CONFIGS[n] for n in THREE_RANKS],),
-                                  timeout=100))
+def _check(cfg: Config, run: dict[str, list[dict]] | Exception) -> None:
+    if isinstance(run, Exception):
+        pytest.fail(f"the run of every configuration failed: {type(run).__name__}: {run}", pytrace=False)
+    results = run[cfg.name]
+    errors = [f"--- rank {rank} ---\n{got['error']}" for rank, got in enumerate(results) if "error" in got]
+    if errors:
+        pytest.fail(f"{cfg.name} raised on {len(errors)} of {len(results)} ranks:\n" + "\n".join(errors),
+                    pytrace=False)
+    for rank, got in enumerate(results):
+        mine, ref = got["ddpkit"], got["torch"]
+        assert mine["grads_none"] == ref["grads_none"], (cfg.name, rank)
+        assert mine["strides"] == ref["strides"], (cfg.name, rank, "gradient layout")
+        assert mine["state"].keys() == ref["state"].keys(), (cfg.name, rank)
+        for key, value in ref["state"].items():
+            wide = torch.complex128 if value.is_complex() else torch.float64  # both parts
+            diff = (mine["state"][key].to(wide) - value.to(wide)).abs().max().item()
+            assert diff <= cfg.tolerance, f"{cfg.name}: rank {rank} {key} differs by {diff}"
+        if mine["views"] is not None:
+            assert mine["views"], f"{cfg.name}: a .grad is not a view into a bucket"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 20)  # the first test of the module waits for the whole run
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda cfg: cfg.name)
+def test_trains_like_torch_ddp_on_two_ranks(cfg: Config, two_ranks) -> None:
+    _check(cfg, two_ranks)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 20)
+@pytest.mark.parametrize("cfg", THREE_RANKS, ids=lambda cfg: cfg.name)
+def test_trains_like_torch_ddp_on_three_ranks(cfg: Config, three_ranks) -> None:
+    _check(cfg, three_ranks)
