@@ -20,9 +20,9 @@ __all__ = ["explain", "UnusedParametersError", "SecondGradientError", "StaticGra
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
     """``"<who> on rank <rank>: <what> HINT: <hint>"``, leaving out the parts not given.
 
-    ``who`` names the API that speaks (``rank`` says where, when ranks may say different things);
-    ``hint`` is the fix. Example: ``explain("bad.", "do this.", who="DDP", rank=1)`` gives
-    ``"DDP on rank 1: bad. HINT: do this."``.
+    ``who`` names the API that speaks and ``rank`` (only with ``who``) where, when ranks may say
+    different things; ``hint`` is the fix. Example: ``explain("bad.", "do this.", who="DDP", rank=1)``
+    gives ``"DDP on rank 1: bad. HINT: do this."``.
     """
     if who is not None:
         where = "" if rank is None else f" on rank {rank}"
