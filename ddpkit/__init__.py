@@ -25,6 +25,10 @@ from ddpkit import comm, env, hooks
 from ddpkit.parallelize import parallelize
 from ddpkit.checkpoint import load, save
 from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point
+from ddpkit import errors
+from ddpkit.errors import (CheckpointSaveError, CommHookError, LauncherVariableError, NotInitializedError,
+                           RanksDisagreeError, RendezvousError, SecondGradientError, StateDictMismatchError,
+                           StaticGraphChangedError, UnusedParametersError)
 
 __version__ = "0.1.0"
 
@@ -35,6 +39,10 @@ __all__ = [
     "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
     "is_main_process", "load", "parallel_apply", "parallelize", "print", "reduce_scatter",
     "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "__version__",
+    # the typed errors (ddpkit.errors), each a subclass of what was raised before them
+    "errors", "CheckpointSaveError", "CommHookError", "LauncherVariableError", "NotInitializedError",
+    "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",
+    "StaticGraphChangedError", "UnusedParametersError",
 ]
 
 _LAZY_SUBMODULES = ("launch", "bench")  # command-line tools: not needed to train

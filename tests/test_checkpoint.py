@@ -92,7 +92,7 @@ def test_save_that_fails_keeps_the_previous_checkpoint_and_no_temporary(tmp_path
 @pytest.mark.timeout(10)
 def test_save_in_a_launched_job_without_init_says_to_call_it(tmp_path, launched_as_rank_1_of_2):
     """Rank 1 would return before rank 0 had written the file, and its load would fail."""
-    with pytest.raises(RuntimeError, match=r"^ddpkit\.save: this process is rank 1 of WORLD_SIZE=2 .*"
+    with pytest.raises(ddpkit.NotInitializedError, match=r"^ddpkit\.save: this process is rank 1 of WORLD_SIZE=2 .*"
                                            r"call ddpkit.init\(\) first"):
         ddpkit.save({"w": 1}, tmp_path / "ckpt.pt")
     assert not (tmp_path / "ckpt.pt").exists()
@@ -193,9 +193,11 @@ def test_load_state_dict_moves_weights_between_wrapped_and_plain_models():
 @pytest.mark.timeout(10)
 def test_load_state_dict_raises_on_a_mismatch_instead_of_guessing():
     other = nn.Sequential(nn.Linear(3, 4))
-    with pytest.raises(RuntimeError, match=r"does not fit Sequential .*Closest, with 'module.' removed: "
-                                           r"7 of the model's keys are missing, e.g. \['1.weight'"):
+    with pytest.raises(ddpkit.StateDictMismatchError,
+                       match=r"does not fit Sequential .*Closest, with 'module.' removed: "
+                             r"7 of the model's keys are missing, e.g. \['1.weight'") as caught:
         load_state_dict(_model(), Wrapper(other).state_dict())
+    assert len(caught.value.missing) == 7 and caught.value.missing[0] == "1.weight"
     result = load_state_dict(_model(), Wrapper(other).state_dict(), strict=False)
     assert "1.weight" in result.missing_keys and not result.unexpected_keys
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.errors import CheckpointSaveError, explain
 from ddpkit.runtime.comm import broadcast_object
 from ddpkit.runtime.process_group import current_env, is_main_process, require_group_when_launched
 
@@ -33,7 +34,8 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
     Raises:
         TypeError: ``path`` is not a path.
-        RuntimeError: on ranks other than 0 when rank 0 failed to write (rank 0 raises its own error).
+        CheckpointSaveError: on ranks other than 0 when rank 0 failed to write (rank 0 raises its own
+            error); a RuntimeError.
     """
     path = _as_path(path)
     require_group_when_launched("ddpkit.save", "the other ranks could not wait for rank 0's write")
@@ -48,7 +50,8 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     # doubles as the barrier: no rank returns before rank 0 has renamed the file into place
     error = broadcast_object(error)
     if error is not None:
-        raise RuntimeError(f"rank 0 failed to save the checkpoint {str(path)!r}: {error}")
+        raise CheckpointSaveError(f"rank 0 failed to save the checkpoint {str(path)!r}: {error}",
+                                  path=str(path), error=error)
 
 
 def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
@@ -67,9 +70,10 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) 
     if not path.is_file():
         where = path.parent if str(path.parent) else Path(".")
         hint = "" if where.is_dir() else f" (the directory {str(where)!r} does not exist either)"
-        raise FileNotFoundError(
-            2, f"no checkpoint at {str(path)!r}{hint}. HINT: ddpkit.checkpoint.latest_checkpoint(dir) "
-               "finds the newest complete one in a directory, or None", str(path))
+        raise FileNotFoundError(2, explain(
+            f"no checkpoint at {str(path)!r}{hint}.",
+            "ddpkit.checkpoint.latest_checkpoint(dir) finds the newest complete one in a directory, or None"),
+            str(path))
     if map_location is None:
         env = current_env()
         map_location = env.device if env is not None and env.device is not None else "cpu"
@@ -78,8 +82,8 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) 
 
 def _as_path(path: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}. HINT: for "
-                        "file objects use torch.save directly; ddpkit.save needs a path to be atomic.")
+        raise TypeError(explain(f"path must be a str or os.PathLike, got {type(path).__name__}.",
+                                "for file objects use torch.save directly; ddpkit.save needs a path to be atomic."))
     return Path(path)
 
 

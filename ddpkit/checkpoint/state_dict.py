@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping
 
 from torch import nn
 
+from ddpkit.errors import StateDictMismatchError, explain
+
 __all__ = ["PREFIX", "unwrap_state_dict", "wrap_state_dict", "load_state_dict", "unwrap_model"]
 
 PREFIX = "module."
@@ -25,9 +27,9 @@ def unwrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> Or
     """
     lacking = [k for k in state_dict if not k.startswith(prefix)]
     if lacking:
-        raise ValueError(f"cannot unwrap: {len(lacking)} of {len(state_dict)} keys do not start with "
-                         f"{prefix!r}, e.g. {lacking[:3]}. HINT: only a state dict taken from a "
-                         "DDP/DataParallel-wrapped model has the prefix on every key.")
+        raise ValueError(explain(f"cannot unwrap: {len(lacking)} of {len(state_dict)} keys do not start "
+                                 f"with {prefix!r}, e.g. {lacking[:3]}.", "only a state dict taken from a "
+                                 "DDP/DataParallel-wrapped model has the prefix on every key."))
     top = prefix.rstrip(".")
 
     def module_path(path: str) -> str | None:  # the wrapper's own entry ("") has no place inside
@@ -44,8 +46,8 @@ def wrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> Orde
     """
     having = [k for k in state_dict if k.startswith(prefix)]
     if having:
-        raise ValueError(f"cannot wrap: {len(having)} of {len(state_dict)} keys already start with "
-                         f"{prefix!r}, e.g. {having[:3]}. HINT: the dict is already wrapped; load it as is.")
+        raise ValueError(explain(f"cannot wrap: {len(having)} of {len(state_dict)} keys already start with "
+                                 f"{prefix!r}, e.g. {having[:3]}.", "the dict is already wrapped; load it as is."))
     top = prefix.rstrip(".")
     return _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)
 
@@ -76,8 +78,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     Returns:
         torch's ``(missing_keys, unexpected_keys)``.
     Raises:
-        RuntimeError: with ``strict=True``, when no variant matches; the message lists what is missing
-            and unexpected. With ``strict=False`` the variant sharing most keys is loaded non-strictly.
+        StateDictMismatchError: with ``strict=True``, when no variant matches (a RuntimeError); its
+            ``missing`` and ``unexpected`` keys are the closest variant's. With ``strict=False`` the
+            variant sharing most keys is loaded non-strictly.
     """
     target = list(module.state_dict().keys())
     wanted = set(target)
@@ -95,11 +98,12 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     missing = [k for k in target if k not in best]
     unexpected = [k for k in best if k not in wanted]
     tried = ", ".join(name for name, _ in variants)
-    raise RuntimeError(
+    raise StateDictMismatchError(explain(
         f"the state dict does not fit {type(module).__name__} (tried it {tried}). Closest, {best_name}: "
         f"{len(missing)} of the model's keys are missing{_eg(missing)}; {len(unexpected)} keys "
-        f"are unexpected{_eg(unexpected)}. HINT: was the checkpoint saved from another model? "
-        "Pass strict=False to load the keys that match.")
+        f"are unexpected{_eg(unexpected)}.",
+        "was the checkpoint saved from another model? Pass strict=False to load the keys that match."),
+        missing=missing, unexpected=unexpected)
 
 
 def _eg(keys: list[str]) -> str:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ddpkit.ddp.bucket import DEFAULT_FIRST_BUCKET_BYTES
+from ddpkit.errors import explain
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
            "refuse_sparse_gradients", "refuse_uninitialized"]
@@ -51,23 +52,23 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     devices = {p.device for p in params}
     types = sorted({d.type for d in devices})
     if len(types) != 1:
-        raise ValueError(f"DistributedDataParallel needs the module's parameters on one type of "
-                         f"device, found {types}. HINT: move the whole module with .to(device).")
+        raise ValueError(explain(f"DistributedDataParallel needs the module's parameters on one type of "
+                                 f"device, found {types}.", "move the whole module with .to(device)."))
     if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids={list(device_ids)}: DistributedDataParallel drives one device "
-                         "per process, so device_ids can only be None or contain a single element. "
-                         "HINT: start one process per GPU (ddpkit run --nproc-per-node).")
+        raise ValueError(explain(f"device_ids={list(device_ids)}: DistributedDataParallel drives one "
+                                 "device per process, so device_ids can only be None or contain a single "
+                                 "element.", "start one process per GPU (ddpkit run --nproc-per-node)."))
     if not device_ids or types[0] == "cpu" or len(devices) > 1:
         if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
-            raise ValueError(
+            raise ValueError(explain(
                 f"device_ids={device_ids} and output_device={output_device} only apply to a module "
-                f"on a single GPU, but its parameters are on {sorted(map(str, devices))}. "
-                "HINT: leave device_ids and output_device as None for CPU or multi-device modules.")
+                f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
+                "leave device_ids and output_device as None for CPU or multi-device modules."))
         return params[0].device, None, None
     device = _as_device(device_ids[0], types[0])
     if device not in devices:
-        raise ValueError(f"device_ids names {device}, but the module's parameters are on "
-                         f"{next(iter(devices))}. HINT: move the module there with .to({str(device)!r}).")
+        raise ValueError(explain(f"device_ids names {device}, but the module's parameters are on "
+                                 f"{next(iter(devices))}.", f"move the module there with .to({str(device)!r})."))
     output = device if output_device is None else _as_device(output_device, types[0])
     return device, [device.index], output
 
@@ -75,10 +76,10 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
 def refuse_uninitialized(module: nn.Module) -> None:
     for name, p in module.named_parameters():
         if isinstance(p, nn.parameter.UninitializedParameter):
-            raise RuntimeError(
+            raise RuntimeError(explain(
                 f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
-                "lazy module, such as nn.LazyLinear, sizes it at its first forward). HINT: run one "
-                "forward pass on a sample batch before wrapping the model.")
+                "lazy module, such as nn.LazyLinear, sizes it at its first forward).",
+                "run one forward pass on a sample batch before wrapping the model."))
 
 
 def refuse_sparse_gradients(module: nn.Module, ignored: Collection[str] = ()) -> None:
@@ -88,10 +89,11 @@ def refuse_sparse_gradients(module: nn.Module, ignored: Collection[str] = ()) ->
         where = f"{name}.weight" if name else "weight"
         if (isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
                 and child.weight.requires_grad and where not in ignored):
-            raise NotImplementedError(
+            raise NotImplementedError(explain(
                 f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
-                f"ones ({type(child).__name__}(sparse=True)). HINT: build it with sparse=False, "
-                "or use torch.nn.parallel.DistributedDataParallel, which averages sparse gradients.")
+                f"ones ({type(child).__name__}(sparse=True)).",
+                "build it with sparse=False, or use torch.nn.parallel.DistributedDataParallel, which "
+                "averages sparse gradients."))
 
 
 def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:

@@ -22,7 +22,9 @@ from ddpkit.runtime.comm import all_gather_object
 from ddpkit.ddp.arguments import (DEFAULT_BUCKET_CAP_MB, bucket_caps, check_devices, first_difference,
                                    refuse_sparse_gradients, refuse_uninitialized)
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.ddp.join import JoinSupport
+from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
 from ddpkit.ddp.reducer import Reducer
 
@@ -126,18 +128,14 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
         if failed and local_error is None:
             rank, error = failed[0]
-            raise RuntimeError(f"DistributedDataParallel could not be built on rank {rank}: {error} "
-                               f"(this is rank {self.rank}).")
+            raise refused_elsewhere_error(self.rank, rank, error)
         if failed:
             return  # the caller raises this rank's own error
         everyone = [tensors for _, tensors in gathered]
         for rank in range(1, self.world_size):
             problem = first_difference(everyone[0], everyone[rank], rank)
             if problem:
-                raise RuntimeError(
-                    f"DistributedDataParallel needs the same parameters and buffers on every rank, but "
-                    f"{problem} (this is rank {self.rank}). HINT: build the model identically on every "
-                    "rank (same arguments, same code path) before wrapping it.")
+                raise ranks_disagree_error(self.rank, rank, problem)
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
@@ -181,10 +179,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def __getstate__(self) -> dict[str, Any]:
         """torch's rule: without the process group and the reducer, which the copy makes anew."""
         if self.process_group is not _default_group():
-            raise RuntimeError(
+            raise RuntimeError(explain(
                 "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
-                "process group (the copy joins the default group). HINT: copy or save its .module "
-                "and wrap that in a new DistributedDataParallel.")
+                "process group (the copy joins the default group).",
+                "copy or save its .module and wrap that in a new DistributedDataParallel."))
         state = super().__getstate__()
         del state["process_group"], state["reducer"]
         return state
@@ -274,7 +272,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+            raise CommHookError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.",
+                                rank=self.rank, hook=type(hook).__name__)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
             # hook, and a hook may change the gradients (fp16 rounding), so it runs here too

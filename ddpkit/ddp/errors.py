@@ -1,7 +1,8 @@
-"""The errors of DistributedDataParallel's backward pass: each names the parameter, the rank and the fix.
+"""The errors of DistributedDataParallel: each names the parameter or tensor, the rank and the fix.
 
 torch's own reducer reports parameter indices unless a debug variable is set; these messages are
 built from the qualified names the reducer keeps, and are the same on every rank where they must be.
+Each factory returns the typed error of ``ddpkit.errors``, its facts as fields.
 """
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from typing import Sequence
 
 import torch
 
+from ddpkit.errors import (RanksDisagreeError, SecondGradientError, StaticGraphChangedError,
+                           UnusedParametersError, explain)
+
 __all__ = ["late_gradient_warning", "warn_at_user_code", "second_gradient_error", "static_graph_changed_error",
-           "unused_gradient_error"]
+           "unused_gradient_error", "ranks_disagree_error", "refused_elsewhere_error"]
+
+_DDP = "DistributedDataParallel"
 
 
 def late_gradient_warning(rank: int, name: str) -> str:
@@ -22,11 +28,13 @@ def late_gradient_warning(rank: int, name: str) -> str:
     torch's DDP runs such a backward without a word; its gradients stay local, so the ranks' models
     drift apart. ddpkit runs it the same way, and says so once.
     """
-    return (f"DistributedDataParallel on rank {rank}: a gradient for '{name}' arrived after this "
-            "iteration's gradients were already averaged (backward() ran a second time through one "
-            "forward's graph, or through an earlier iteration's). Its gradients are not averaged: "
-            "each rank keeps its own, as with torch's DDP, and the ranks' models drift apart. HINT: "
-            "add the losses and call backward() once, or call forward() again before each backward().")
+    return explain(
+        f"a gradient for '{name}' arrived after this iteration's gradients were already averaged "
+        "(backward() ran a second time through one forward's graph, or through an earlier "
+        "iteration's). Its gradients are not averaged: each rank keeps its own, as with torch's DDP, "
+        "and the ranks' models drift apart.",
+        "add the losses and call backward() once, or call forward() again before each backward().",
+        who=_DDP, rank=rank)
 
 
 def warn_at_user_code(message: str) -> None:
@@ -38,42 +46,61 @@ def warn_at_user_code(message: str) -> None:
     warnings.warn(message, stacklevel=level if frame is not None else 1)
 
 
-def second_gradient_error(rank: int, name: str, used: bool) -> RuntimeError:
+def second_gradient_error(rank: int, name: str, used: bool) -> SecondGradientError:
     """A parameter's hook fired twice in one backward, or for a parameter reduced as unused."""
-    prefix = f"DistributedDataParallel on rank {rank}: parameter '{name}' received"
     if not used:
-        return RuntimeError(
-            f"{prefix} a gradient, but the forward's output has no autograd path to it, so it was "
-            "already reduced as unused (find_unused_parameters searches that path; a parameter used "
-            "only inside a reentrant activation checkpoint is off it). HINT: return every tensor the "
-            "loss is computed from in the module's output; checkpoint with use_reentrant=False, or "
-            "pass static_graph=True.")
-    return RuntimeError(
-        f"{prefix} its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
-        "shared with a module outside this DDP). HINT: use non-reentrant checkpointing "
-        "(use_reentrant=False), or static_graph=True if every iteration uses the parameters alike.")
+        what = ("a gradient, but the forward's output has no autograd path to it, so it was already "
+                "reduced as unused (find_unused_parameters searches that path; a parameter used only "
+                "inside a reentrant activation checkpoint is off it).")
+        hint = ("return every tensor the loss is computed from in the module's output; checkpoint "
+                "with use_reentrant=False, or pass static_graph=True.")
+    else:
+        what = ("its gradient twice in one backward pass (reentrant checkpointing, or a parameter "
+                "shared with a module outside this DDP).")
+        hint = ("use non-reentrant checkpointing (use_reentrant=False), or static_graph=True if every "
+                "iteration uses the parameters alike.")
+    return SecondGradientError(explain(f"parameter '{name}' received {what}", hint, who=_DDP, rank=rank),
+                               rank=rank, parameter=name, reduced_as_unused=not used)
 
 
-def static_graph_changed_error(rank: int, name: str, first_count: int) -> RuntimeError:
+def static_graph_changed_error(rank: int, name: str, first_count: int) -> StaticGraphChangedError:
     """With static_graph, a parameter's hook fired more often than in the first iteration."""
     times = {0: "no gradient", 1: "one gradient"}.get(first_count, f"{first_count} gradients")
-    return RuntimeError(
-        f"DistributedDataParallel on rank {rank}: parameter '{name}' received more gradients in "
-        f"this backward pass than in the first iteration ({times}), but static_graph=True says "
-        "every iteration uses the parameters alike. HINT: drop static_graph=True (pass "
-        "find_unused_parameters=True if some parameters go unused in some iterations).")
+    message = explain(
+        f"parameter '{name}' received more gradients in this backward pass than in the first "
+        f"iteration ({times}), but static_graph=True says every iteration uses the parameters alike.",
+        "drop static_graph=True (pass find_unused_parameters=True if some parameters go unused in "
+        "some iterations).", who=_DDP, rank=rank)
+    return StaticGraphChangedError(message, rank=rank, parameter=name, first_count=first_count)
 
 
 def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
-                          static_graph: bool) -> RuntimeError:
+                          static_graph: bool) -> UnusedParametersError:
     """The error every rank raises when some rank's backward left parameters without a gradient."""
-    listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names)
-                       for r, names in everyone if names)
+    by_rank = {r: list(names) for r, names in everyone if names}
+    listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names) for r, names in by_rank.items())
     mode = ("static_graph=True, and these were used in the first iteration" if static_graph
             else "find_unused_parameters=False")
-    return RuntimeError(
-        f"DistributedDataParallel: parameters received no gradient in this backward pass, so their "
-        f"buckets could not be averaged ({mode}): {listed} (this is rank {rank}). HINT: pass "
-        "find_unused_parameters=True to DistributedDataParallel, or make sure the output (the loss) "
-        "depends on every parameter; freeze parameters you do not train with requires_grad_(False) "
-        "before wrapping the model.")
+    message = explain(
+        f"parameters received no gradient in this backward pass, so their buckets could not be "
+        f"averaged ({mode}): {listed} (this is rank {rank}).",
+        "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
+        "loss) depends on every parameter; freeze parameters you do not train with "
+        "requires_grad_(False) before wrapping the model.", who=_DDP)
+    return UnusedParametersError(message, rank=rank, by_rank=by_rank, static_graph=static_graph)
+
+
+def ranks_disagree_error(rank: int, differing_rank: int, difference: str) -> RanksDisagreeError:
+    """Rank ``differing_rank`` holds other parameters or buffers than rank 0 (``difference``: the first)."""
+    message = explain(
+        f"{_DDP} needs the same parameters and buffers on every rank, but {difference} (this is "
+        f"rank {rank}).",
+        "build the model identically on every rank (same arguments, same code path) before wrapping it.")
+    return RanksDisagreeError(message, rank=rank, differing_rank=differing_rank, difference=difference)
+
+
+def refused_elsewhere_error(rank: int, differing_rank: int, error: str) -> RanksDisagreeError:
+    """Rank ``differing_rank`` refused its own arguments (``error``, as ``"Type: message"``): this rank
+    cannot build the DistributedDataParallel without it."""
+    message = f"{_DDP} could not be built on rank {differing_rank}: {error} (this is rank {rank})."
+    return RanksDisagreeError(message, rank=rank, differing_rank=differing_rank, difference=error)

@@ -16,6 +16,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ddpkit.errors import explain
+
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
 DEFAULT_MASTER_PORT = 29500
@@ -162,8 +164,8 @@ def resolve_nproc_per_node(value: str) -> int:
         return _cpu_count()
     if text == "gpu":
         if not torch.cuda.is_available():
-            raise ValueError("--nproc-per-node gpu, but torch.cuda.is_available() is False. "
-                             "HINT: give a number, or 'auto' (one worker per CPU when there is no GPU).")
+            raise ValueError(explain("--nproc-per-node gpu, but torch.cuda.is_available() is False.",
+                                     "give a number, or 'auto' (one worker per CPU when there is no GPU)."))
         return torch.cuda.device_count()
     if text == "auto":
         return torch.cuda.device_count() if torch.cuda.is_available() else _cpu_count()
@@ -182,11 +184,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     nnodes = _parse_nnodes(str(args.nnodes))
     # torchrun's c10d backend on one node is the same as the static one: there is no other node
     if args.rdzv_backend != "static" and not (args.rdzv_backend == "c10d" and nnodes == 1):
-        raise ValueError(
+        raise ValueError(explain(
             f"--rdzv-backend {args.rdzv_backend!r} is not supported with --nnodes {nnodes}: "
-            "'ddpkit run' meets nodes with a static rendezvous. HINT: give every node --nnodes N "
-            "--node-rank R --master-addr HOST0 --master-port P (or --rdzv-endpoint HOST0:P) and "
-            "leave out --rdzv-backend.")
+            "'ddpkit run' meets nodes with a static rendezvous.",
+            "give every node --nnodes N --node-rank R --master-addr HOST0 --master-port P (or "
+            "--rdzv-endpoint HOST0:P) and leave out --rdzv-backend."))
     if args.standalone and nnodes != 1:
         raise ValueError(f"--standalone runs a single node, but --nnodes is {nnodes}.")
     if not 0 <= args.node_rank < nnodes:
@@ -230,10 +232,9 @@ def _parse_nnodes(text: str) -> int:
     except ValueError:
         raise ValueError(f"--nnodes {text!r} is not a whole number of nodes.") from None
     if count != upper:
-        raise ValueError(
-            f"--nnodes {text!r} asks for an elastic range of nodes, which 'ddpkit run' does not "
-            "support. HINT: give the exact number of nodes, e.g. --nnodes "
-            f"{upper}, and the same value on every node.")
+        raise ValueError(explain(
+            f"--nnodes {text!r} asks for an elastic range of nodes, which 'ddpkit run' does not support.",
+            f"give the exact number of nodes, e.g. --nnodes {upper}, and the same value on every node."))
     if count < 1:
         raise ValueError(f"--nnodes must be >= 1, got {text!r}.")
     return count

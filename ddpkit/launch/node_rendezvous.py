@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
+from ddpkit.errors import RendezvousError, explain
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
 from ddpkit.launch.node_watch import NodeWatch, failure_key, launcher_store, read_key, wait_reachable
@@ -56,8 +57,8 @@ class NodeRendezvous:
                 self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
                                              wait_for_workers=False)
             except (RuntimeError, OSError) as e:
-                raise RuntimeError(f"node 0 cannot host the rendezvous on port {cfg.master_port}: "
-                                   f"{e}. HINT: is another job using it? Pick another --master-port.") from e
+                raise self._error(explain(f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}.",
+                                          "is another job using it? Pick another --master-port.")) from e
         self._store = self._connect(deadline, abort)
         store = self._store
         with self._node0_alive("join"):
@@ -65,8 +66,8 @@ class NodeRendezvous:
             me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
             if store.add(f"node/{cfg.node_rank}/claims", 1) > 1:
                 other = json.loads(store.get(f"node/{cfg.node_rank}"))
-                raise RuntimeError(f"node rank {cfg.node_rank} already joined from {other['host']} "
-                                   f"(pid {other['pid']}). HINT: give every node a different --node-rank.")
+                raise self._error(explain(f"node rank {cfg.node_rank} already joined from {other['host']} "
+                                          f"(pid {other['pid']}).", "give every node a different --node-rank."))
             store.set(f"node/{cfg.node_rank}", json.dumps(me))
             self._registered = True
             self._watch = NodeWatch(cfg.master_addr, cfg.master_port, cfg.node_rank, cfg.nnodes,
@@ -92,11 +93,11 @@ class NodeRendezvous:
             if time.monotonic() >= deadline:
                 break
         if abort():
-            raise RuntimeError(f"interrupted while waiting to reach node 0's rendezvous at {self._address}")
-        raise RuntimeError(f"node {cfg.node_rank} could not reach node 0's rendezvous at "
-                           f"{self._address} within {cfg.rdzv_timeout:g} s ({error}). HINT: start "
-                           "node 0 with the same --master-addr/--master-port, and check the address "
-                           "is reachable from this host.")
+            raise self._error(f"interrupted while waiting to reach node 0's rendezvous at {self._address}")
+        raise self._error(explain(
+            f"node {cfg.node_rank} could not reach node 0's rendezvous at {self._address} within "
+            f"{cfg.rdzv_timeout:g} s ({error}).", "start node 0 with the same --master-addr/--master-port, "
+            "and check the address is reachable from this host."), timed_out=True)
 
     def _check_nnodes(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Node 0 publishes its --nnodes; every other node compares as soon as it is connected."""
@@ -110,9 +111,9 @@ class NodeRendezvous:
             time.sleep(_POLL)
         theirs = int(store.get("nnodes"))
         if theirs != cfg.nnodes:
-            self._abandon(f"the nodes disagree on --nnodes: node 0 was started with --nnodes {theirs}, "
-                          f"node {cfg.node_rank} with --nnodes {cfg.nnodes}. HINT: give every node the "
-                          "same --nnodes.")
+            self._abandon(explain(f"the nodes disagree on --nnodes: node 0 was started with --nnodes "
+                                  f"{theirs}, node {cfg.node_rank} with --nnodes {cfg.nnodes}.",
+                                  "give every node the same --nnodes."))
 
     def _wait_all(self, counter: str, marker: str, deadline: float, abort: Callable[[], bool],
                   what: str, verb: str) -> None:
@@ -130,21 +131,25 @@ class NodeRendezvous:
         assert store is not None
         if store.check(["abort"]):
             self._acknowledge()
-            raise RuntimeError(store.get("abort").decode())
+            raise self._error(store.get("abort").decode())  # another node's reason, word for word
         if abort():
-            raise RuntimeError("interrupted while waiting for the other nodes")
+            raise self._error("interrupted while waiting for the other nodes")
         lost = self._watch.lost if self._watch is not None else None
         if lost is not None:
             self._abandon(f"stopped waiting for the nodes to {what}: {lost['lost']}")
         if time.monotonic() >= deadline:
-            self._abandon(self._missing_message(what, verb, marker))
+            self._abandon(self._missing_message(what, verb, marker), timed_out=True)
 
-    def _abandon(self, message: str) -> None:
+    def _abandon(self, message: str, timed_out: bool = False) -> None:
         """Tell every node why the rendezvous ends (they print the same message), then raise it."""
         assert self._store is not None
         self._store.set("abort", message)
         self._acknowledge()
-        raise RuntimeError(message)
+        raise self._error(message, timed_out)
+
+    def _error(self, message: str, timed_out: bool = False) -> RendezvousError:
+        return RendezvousError(message, address=self._address,
+                               timeout=self._config.rdzv_timeout if timed_out else None)
 
     def _acknowledge(self) -> None:
         # node 0 keeps its store open until every registered node has read the abort
@@ -156,12 +161,12 @@ class NodeRendezvous:
         assert store is not None
         present = [r for r in range(cfg.nnodes) if store.check([marker.format(r)])]
         missing = [r for r in range(cfg.nnodes) if r not in present]
-        return (f"rendezvous at {self._address} timed out after {cfg.rdzv_timeout:g} s waiting for "
-                f"the nodes to {what}: {len(present)} of {cfg.nnodes} nodes {verb} (node ranks "
-                f"{_ranks(present)}); did not {_VERBS[verb]}: node rank(s) {_ranks(missing)}. HINT: start "
-                "'ddpkit run --nnodes {0} --node-rank R --master-addr {1} --master-port {2} ...' on "
-                "each missing node, or raise --rdzv-timeout.".format(
-                    cfg.nnodes, cfg.master_addr, cfg.master_port))
+        return explain(
+            f"rendezvous at {self._address} timed out after {cfg.rdzv_timeout:g} s waiting for the "
+            f"nodes to {what}: {len(present)} of {cfg.nnodes} nodes {verb} (node ranks {_ranks(present)}); "
+            f"did not {_VERBS[verb]}: node rank(s) {_ranks(missing)}.",
+            f"start 'ddpkit run --nnodes {cfg.nnodes} --node-rank R --master-addr {cfg.master_addr} "
+            f"--master-port {cfg.master_port} ...' on each missing node, or raise --rdzv-timeout.")
 
     @contextmanager
     def _node0_alive(self, what: str) -> Iterator[None]:
@@ -169,7 +174,7 @@ class NodeRendezvous:
         try:
             yield
         except dist.DistNetworkError as e:
-            raise RuntimeError(
+            raise self._error(
                 f"lost node 0's rendezvous at {self._address} while waiting for the nodes to "
                 f"{what}: node 0's launcher exited (it ends the job when a node does not come within "
                 "--rdzv-timeout, and when it is stopped); its output says why.") from e

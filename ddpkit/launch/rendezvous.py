@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ddpkit.errors import RendezvousError, explain
 from ddpkit.launch.config import LaunchConfig
 
 __all__ = ["Layout", "host_store", "LocalRendezvous"]
@@ -40,8 +41,9 @@ def host_store(bind_addr: str | None, port: int) -> dist.TCPStore:
         sock.bind(address)
         sock.listen(1024)
     except OSError as e:
-        raise RuntimeError(f"cannot listen on {bind_addr}:{port}: {e}. HINT: leave out --master-port "
-                           "to let the launcher pick a free port.") from e
+        raise RendezvousError(explain(f"cannot listen on {bind_addr}:{port}: {e}.",
+                                      "leave out --master-port to let the launcher pick a free port."),
+                              address=f"{bind_addr}:{port}", timeout=None) from e
     # the store takes ownership of the bound socket and closes it when it is destroyed
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                          master_listen_fd=sock.detach())

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.errors import explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_object",
@@ -42,10 +43,10 @@ def _world_size(group, op: str) -> int:
         require_group_when_launched(f"ddpkit.{op}", f"{op} would leave each rank with its own result")
         return 1
     if group is not None and dist.get_rank(group) < 0:
-        raise ValueError(
+        raise ValueError(explain(
             f"rank {dist.get_rank()} is not a member of this group (its ranks are "
-            f"{dist.get_process_group_ranks(group)}), so it takes no part in the group's collectives. "
-            "HINT: call them only on the group's members, e.g. `if dist.get_rank() in ranks:`.")
+            f"{dist.get_process_group_ranks(group)}), so it takes no part in the group's collectives.",
+            "call them only on the group's members, e.g. `if dist.get_rank() in ranks:`."))
     return dist.get_world_size(group)
 
 
@@ -67,8 +68,8 @@ def _reduce_op(op: Any) -> tuple[str, Any]:
 def _check_mean(function: str, op_name: str, tensor: torch.Tensor) -> None:
     """A mean divides in place, which an integer tensor cannot hold: refuse it on every world size."""
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}. "
-                        "HINT: convert with .float(), or reduce with op='sum'.")
+        raise TypeError(explain(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}.",
+                                "convert with .float(), or reduce with op='sum'."))
 
 
 def _check_tensor(name: str, tensor: Any) -> None:
@@ -124,8 +125,8 @@ def _check_src(src: int, group, op: str) -> int:
     world_size = _world_size(group, op)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
     if isinstance(src, bool) or not isinstance(src, int) or src not in members:
-        raise ValueError(f"src={src!r} is not a rank of this group (its ranks are {members}). HINT: src "
-                         "is a global rank, as in torch.distributed.broadcast.")
+        raise ValueError(explain(f"src={src!r} is not a rank of this group (its ranks are {members}).",
+                                 "src is a global rank, as in torch.distributed.broadcast."))
     return world_size
 
 

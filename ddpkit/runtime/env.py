@@ -27,8 +27,8 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read the job layout from ``environ`` (``os.environ`` when not given; it is only read).
 
     Raises:
-        ValueError: the variables are incomplete or contradict each other; the message names the
-            variable, its value, and the fix.
+        LauncherVariableError: the variables are incomplete or contradict each other (a ValueError);
+            its ``variable`` and ``value`` say which to fix, its message also how.
     """
     environ = os.environ if environ is None else environ
     for source in _SOURCES:

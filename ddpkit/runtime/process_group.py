@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.errors import LauncherVariableError, NotInitializedError, RendezvousError, explain
 from ddpkit.runtime.env import DistEnv, detect
 
 __all__ = [
@@ -70,8 +71,9 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         (``cuda:<local_rank>`` or ``cpu``) filled in.
 
     Raises:
-        ValueError: contradictory launcher variables, or an unknown backend.
-        RuntimeError: the rendezvous did not complete within ``timeout``.
+        LauncherVariableError: contradictory launcher variables (a ValueError).
+        ValueError: an unknown backend or a bad timeout.
+        RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
     timeout = _as_timedelta(timeout)
     if _state["env"] is not None and dist.is_initialized():
@@ -121,15 +123,19 @@ def require_group_when_launched(what: str, consequence: str) -> None:
     """Raise if a launcher started several processes but ``init()`` has not joined them yet.
 
     Without a process group each rank would act as a world of one, quietly on its own.
+
+    Raises:
+        NotInitializedError: the launcher started several processes (a RuntimeError).
     """
     if dist.is_available() and dist.is_initialized():
         return
     launched = detect(os.environ)
     if launched.world_size > 1:
-        raise RuntimeError(
-            f"{what}: this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
-            f"(launcher: {launched.launcher}), but no process group exists, so {consequence}. "
-            "HINT: call ddpkit.init() first.")
+        raise NotInitializedError(
+            explain(f"this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
+                    f"(launcher: {launched.launcher}), but no process group exists, so {consequence}.",
+                    "call ddpkit.init() first.", who=what),
+            needed_by=what, rank=launched.rank, world_size=launched.world_size, launcher=launched.launcher)
 
 
 def get_rank() -> int:
@@ -159,12 +165,12 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
         return DEFAULT_TIMEOUT
     if isinstance(timeout, timedelta):
         if timeout <= timedelta(0):
-            raise ValueError(f"timeout={timeout!r} must be a positive duration. HINT: the default is "
-                             "5 minutes; pass e.g. timedelta(minutes=10).")
+            raise ValueError(explain(f"timeout={timeout!r} must be a positive duration.",
+                                     "the default is 5 minutes; pass e.g. timedelta(minutes=10)."))
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
-                         "timedelta. HINT: the default is 5 minutes; pass e.g. timeout=600.")
+        raise ValueError(explain(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
+                                 "timedelta.", "the default is 5 minutes; pass e.g. timeout=600."))
     return timedelta(seconds=timeout)
 
 
@@ -175,8 +181,8 @@ def _choose_backend(backend: str | None) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}.")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False. "
-                         "HINT: use backend='gloo' on CPU.")
+        raise ValueError(explain("backend='nccl' needs CUDA, and torch.cuda.is_available() is False.",
+                                 "use backend='gloo' on CPU."))
     return backend
 
 
@@ -186,20 +192,19 @@ def _check_same_backend(backend: str | None) -> None:
         return
     current = str(dist.get_backend()).lower()
     if backend.lower() not in current.replace(":", ",").split(","):
-        raise ValueError(
-            f"ddpkit.init(backend={backend!r}) but this process already joined with backend "
-            f"{current!r}. HINT: call ddpkit.shutdown() first to change the backend.")
+        raise ValueError(explain(
+            f"ddpkit.init(backend={backend!r}) but this process already joined with backend {current!r}.",
+            "call ddpkit.shutdown() first to change the backend."))
 
 
 def _choose_device(backend: str, env: DistEnv) -> torch.device:
     if backend != "gloo" and torch.cuda.is_available():
         count = torch.cuda.device_count()
         if env.local_rank >= count:
-            raise ValueError(
-                f"LOCAL_RANK={env.local_rank} but this node has only {count} visible GPU(s). "
-                "HINT: start at most one process per GPU (--nproc-per-node), or check "
-                "CUDA_VISIBLE_DEVICES."
-            )
+            raise LauncherVariableError(
+                explain(f"LOCAL_RANK={env.local_rank} but this node has only {count} visible GPU(s).",
+                        "start at most one process per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES."),
+                variable="LOCAL_RANK", value=str(env.local_rank))
         return torch.device("cuda", env.local_rank)
     return torch.device("cpu")
 
@@ -231,12 +236,12 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
                               timeout=_left(deadline), wait_for_workers=False)
     except (RuntimeError, OSError) as e:
         who = "the launcher" if agent_hosts_store else "rank 0"
-        raise RuntimeError(
+        raise RendezvousError(explain(
             f"rank {env.rank} could not reach the rendezvous at {address} within "
-            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}. HINT: check that "
-            f"MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on every "
-            "rank, that rank 0 is running, and that the port is free and reachable."
-        ) from e
+            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}.",
+            f"check that MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on "
+            "every rank, that rank 0 is running, and that the port is free and reachable."),
+            address=address, timeout=timeout.total_seconds()) from e
     # A restarted group, or one joined again after shutdown(), must not read the keys of the
     # previous one from a store that outlived it (the launcher's): every rank counts alike.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -252,11 +257,11 @@ def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
             joined = f"only {store.add('arrived', 0)}"
         except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
             joined = "rank 0 gave up and closed the store, so not all"
-        raise RuntimeError(
+        raise RendezvousError(explain(
             f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
-            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}). HINT: a rank "
-            "failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
-        ) from e
+            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}).",
+            "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
+            address=address, timeout=timeout.total_seconds()) from e
     return store
 
 

@@ -641,7 +641,7 @@ def test_world_of_one_is_a_transparent_wrapper():
 
 def test_a_launched_rank_without_init_is_told_to_call_it(launched_as_rank_1_of_2):
     """A transparent wrapper there would train every rank on its own, never averaging."""
-    with pytest.raises(RuntimeError, match=r"^DistributedDataParallel: this process is rank 1 of "
+    with pytest.raises(ddpkit.NotInitializedError, match=r"^DistributedDataParallel: this process is rank 1 of "
                                            r"WORLD_SIZE=2 .*call ddpkit.init\(\) first"):
         ddpkit.DistributedDataParallel(_mlp())
 

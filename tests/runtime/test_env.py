@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.env import DistEnv, detect, expand_hostlist
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -80,7 +81,7 @@ TORCHRUN_ERRORS = [
 
 @pytest.mark.parametrize("environ, message", TORCHRUN_ERRORS)
 def test_invalid_torchrun_settings_name_the_variable_and_value(environ, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LauncherVariableError, match=message):
         detect(environ)
 
 
@@ -135,7 +136,7 @@ SLURM_ERRORS = [
 
 @pytest.mark.parametrize("changes, message", SLURM_ERRORS)
 def test_invalid_slurm_settings(changes, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LauncherVariableError, match=message):
         detect({**SLURM, **changes})
 
 
@@ -147,8 +148,9 @@ MPI_ERRORS = [{"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, {"PMI_
 @pytest.mark.parametrize("environ", [e for e, _ in TORCHRUN_ERRORS] + MPI_ERRORS
                          + [{**SLURM, **c} for c, _ in SLURM_ERRORS])
 def test_every_invalid_setting_ends_with_a_hint(environ):
-    with pytest.raises(ValueError, match=r"^[A-Z0-9_]+=.*\. HINT: [^\n]+$"):
+    with pytest.raises(LauncherVariableError, match=r"^[A-Z0-9_]+=.*\. HINT: [^\n]+$") as caught:
         detect(environ)
+    assert caught.value.variable in str(caught.value)  # the variable to fix is named
 
 
 @pytest.mark.parametrize("raw", ["1_0", "+1", "1 0", "0x1", "\u0661", "1.0", ""])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.env import detect
 
 
@@ -31,7 +32,7 @@ def test_slurm_ntasks_per_node_without_nodeid_or_nodelist():
 
 
 def test_slurm_tasks_per_node_that_do_not_cover_the_rank():
-    with pytest.raises(ValueError, match=r"SLURM_PROCID=5 .* SLURM_TASKS_PER_NODE='2,1'.*HINT"):
+    with pytest.raises(LauncherVariableError, match=r"SLURM_PROCID=5 .* SLURM_TASKS_PER_NODE='2,1'.*HINT"):
         detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "2,1",
                 "MASTER_ADDR": "n0"})
 
@@ -81,7 +82,7 @@ def test_slurm_step_variables_win_over_the_job_variables(rank):
 
 
 def test_slurm_step_tasks_disagreeing_with_the_step_layout_are_refused():
-    with pytest.raises(ValueError, match=r"SLURM_STEP_NUM_TASKS=3 disagrees with "
+    with pytest.raises(LauncherVariableError, match=r"SLURM_STEP_NUM_TASKS=3 disagrees with "
                                          r"SLURM_STEP_TASKS_PER_NODE='2' = 2 tasks\. HINT"):
         detect({"SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NTASKS": "3",
                 "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n1"})

@@ -51,7 +51,7 @@ def test_shutdown_is_safe_twice_and_init_works_again(single_process):
 def test_contradictory_variables_fail_before_any_network(single_process, monkeypatch):
     monkeypatch.setenv("RANK", "4")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match=r"RANK=4 is out of range for WORLD_SIZE=4"):
+    with pytest.raises(ddpkit.LauncherVariableError, match=r"RANK=4 is out of range for WORLD_SIZE=4"):
         ddpkit.init()
     assert not dist.is_initialized()
 
@@ -120,6 +120,7 @@ INIT_WITH_SHORT_TIMEOUT = """
         ddpkit.init(backend="gloo", timeout=2)
     except RuntimeError as e:
         print(e)
+        print(f"{type(e).__name__} at {e.address} after {e.timeout} s")
         print(f"gave up after {time.monotonic() - start:.1f} s")
         raise SystemExit(3)
 """
@@ -136,6 +137,7 @@ def test_rendezvous_that_cannot_complete_says_how_many_joined():
     assert result.returncode == 3, result.stderr
     assert f"rendezvous at 127.0.0.1:{store.port} timed out after 2 s" in result.stdout
     assert "only 1 of WORLD_SIZE=3 ranks joined" in result.stdout
+    assert f"RendezvousError at 127.0.0.1:{store.port} after 2.0 s" in result.stdout
 
 
 @pytest.mark.timeout(60)
@@ -147,6 +149,7 @@ def test_unreachable_rendezvous_names_the_address():
     assert result.returncode == 3, result.stderr
     assert f"rank 1 could not reach the rendezvous at 127.0.0.1:{port}" in result.stdout
     assert "MASTER_ADDR=127.0.0.1" in result.stdout
+    assert f"RendezvousError at 127.0.0.1:{port} after 2.0 s" in result.stdout
     assert _gave_up_after(result.stdout) < 3.5  # the 2 s asked for, not torch's connect backoff (~4.5 s)
 
 
@@ -167,3 +170,4 @@ def test_a_rank_that_joined_hears_why_when_rank_0_gives_up_first():
     for p, (stdout, stderr) in zip(ranks, outputs):
         assert p.returncode == 3, stderr
         assert "timed out after 2 s" in stdout and "of WORLD_SIZE=3 ranks joined" in stdout
+        assert "RendezvousError at 127.0.0.1:" in stdout

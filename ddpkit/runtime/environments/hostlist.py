@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 
+from ddpkit.errors import LauncherVariableError, explain
+
 __all__ = ["expand_hostlist", "expand_tasks_per_node"]
 
-_HOSTLIST_HINT = "HINT: write it as SLURM does, e.g. 'gpu-[01-03,07],cpu5', or let sbatch/srun set it."
+_HOSTLIST_HINT = "write it as SLURM does, e.g. 'gpu-[01-03,07],cpu5', or let sbatch/srun set it."
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -33,14 +35,15 @@ def _split_top_level(hostlist: str) -> list[str]:
         elif char == "]":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"SLURM hostlist {hostlist!r} has a ']' without its '['. {_HOSTLIST_HINT}")
+                raise ValueError(explain(f"SLURM hostlist {hostlist!r} has a ']' without its '['.",
+                                         _HOSTLIST_HINT))
         if char == "," and depth == 0:
             parts.append("".join(current))
             current = []
         else:
             current.append(char)
     if depth != 0:
-        raise ValueError(f"SLURM hostlist {hostlist!r} has a '[' without its ']'. {_HOSTLIST_HINT}")
+        raise ValueError(explain(f"SLURM hostlist {hostlist!r} has a '[' without its ']'.", _HOSTLIST_HINT))
     parts.append("".join(current))
     return [p.strip() for p in parts if p.strip()]
 
@@ -55,12 +58,12 @@ def _expand_one(name: str, hostlist: str) -> list[str]:
         item = item.strip()
         bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
         if bounds is None:
-            raise ValueError(f"SLURM hostlist {hostlist!r}: range {item!r} is not N or N-M. "
-                             f"{_HOSTLIST_HINT}")
+            raise ValueError(explain(f"SLURM hostlist {hostlist!r}: range {item!r} is not N or N-M.",
+                                     _HOSTLIST_HINT))
         low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
         if int(high) < int(low):
-            raise ValueError(f"SLURM hostlist {hostlist!r}: range {item!r} runs backwards. "
-                             f"{_HOSTLIST_HINT}")
+            raise ValueError(explain(f"SLURM hostlist {hostlist!r}: range {item!r} runs backwards.",
+                                     _HOSTLIST_HINT))
         width = len(low)
         for number in range(int(low), int(high) + 1):
             for tail in _expand_one(suffix, hostlist):
@@ -77,7 +80,8 @@ def expand_tasks_per_node(name: str, text: str) -> list[int]:
     for part in text.split(","):
         match = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", part)
         if match is None or int(match.group(1)) < 1 or int(match.group(2) or 1) < 1:
-            raise ValueError(f"{name}={text!r} is not in SLURM's format: positive task counts such as "
-                             "'4' or '2(x3),1'. HINT: unset it, or let sbatch/srun set it.")
+            raise LauncherVariableError(
+                explain(f"{name}={text!r} is not in SLURM's format: positive task counts such as '4' or "
+                        "'2(x3),1'.", "unset it, or let sbatch/srun set it."), variable=name, value=text)
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts

@@ -10,7 +10,7 @@ from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.runtime.environments.variables import (check_one_node, check_rank, read_int, read_master_port,
-                                           read_optional_int)
+                                                   read_optional_int, refuse)
 
 __all__ = ["from_mpi"]
 
@@ -31,10 +31,8 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     else:
         return None
     if size_name not in environ:
-        raise ValueError(
-            f"{rank_name}={environ[rank_name]!r} is set but {size_name} is not. HINT: start the job "
-            "with mpirun/mpiexec, which sets both."
-        )
+        raise refuse(size_name, None, f"{rank_name}={environ[rank_name]!r} is set but {size_name} is not.",
+                     "start the job with mpirun/mpiexec, which sets both.")
     rank = read_int(environ, rank_name)
     world_size = read_int(environ, size_name, minimum=1)
     check_rank(rank_name, rank, size_name, world_size)
@@ -49,11 +47,11 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     master_addr = environ.get("MASTER_ADDR", "").strip() or None
     if master_addr is None:
         if local_world_size < world_size:
-            raise ValueError(
-                f"{rank_name}={rank} in a job of {size_name}={world_size} over several nodes, but "
-                "MASTER_ADDR is not set. HINT: pass it to every rank, e.g. "
-                "'mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...'."
-            )
+            raise refuse("MASTER_ADDR", None,
+                         f"{rank_name}={rank} in a job of {size_name}={world_size} over several nodes, "
+                         "but MASTER_ADDR is not set.",
+                         "pass it to every rank, e.g. 'mpirun -x MASTER_ADDR=<host of rank 0> "
+                         "-x MASTER_PORT=29500 ...'.")
         master_addr = LOOPBACK  # every rank is on this node
     master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,

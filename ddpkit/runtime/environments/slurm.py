@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 from typing import Mapping
 
+from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.runtime.environments.hostlist import expand_hostlist, expand_tasks_per_node
 from ddpkit.runtime.environments.variables import (check_one_node, check_rank, first_set, read_int,
-                                           read_master_port, read_optional_int)
+                                                   read_master_port, read_optional_int, refuse)
 
 __all__ = ["from_slurm"]
 
@@ -50,26 +51,25 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     if local_rank is None:
         local_rank = rank - sum(counts[:node_rank])  # srun's default block distribution
         if not 0 <= local_rank < local_world_size:
-            raise ValueError(
-                f"SLURM_PROCID={rank} is not among the tasks that {layout} places on SLURM_NODEID="
-                f"{node_rank}. HINT: set SLURM_LOCALID (srun does), or make the two agree.")
+            raise refuse("SLURM_PROCID", rank,
+                         f"SLURM_PROCID={rank} is not among the tasks that {layout} places on "
+                         f"SLURM_NODEID={node_rank}.", "set SLURM_LOCALID (srun does), or make the two agree.")
     check_rank("SLURM_LOCALID", local_rank, layout_name, local_world_size,
                f"the {local_world_size} task(s) on node {node_rank} of {layout}")
     check_one_node("SLURM_PROCID", rank, "SLURM_LOCALID", local_rank, local_world_size, world_size)
     if sum(counts) != world_size:
-        raise ValueError(
-            f"{tasks_name}={world_size} disagrees with {layout} = {sum(counts)} tasks. HINT: ask "
-            "sbatch/srun for a consistent layout, e.g. --nodes=N --ntasks-per-node=K without a "
-            "different --ntasks.")
+        raise refuse(tasks_name or "SLURM_NTASKS", world_size,
+                     f"{tasks_name}={world_size} disagrees with {layout} = {sum(counts)} tasks.",
+                     "ask sbatch/srun for a consistent layout, e.g. --nodes=N --ntasks-per-node=K "
+                     "without a different --ntasks.")
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or (hosts[0] if hosts else None)
     if master_addr is None:
         if world_size > 1:
-            raise ValueError(
-                f"SLURM_PROCID={rank} with {tasks}, but neither SLURM_JOB_NODELIST "
-                "nor MASTER_ADDR is set, so the ranks cannot find each other. HINT: run under srun, "
-                "or export MASTER_ADDR=<first node>."
-            )
+            raise refuse("MASTER_ADDR", None,
+                         f"SLURM_PROCID={rank} with {tasks}, but neither SLURM_JOB_NODELIST nor "
+                         "MASTER_ADDR is set, so the ranks cannot find each other.",
+                         "run under srun, or export MASTER_ADDR=<first node>.")
         master_addr = LOOPBACK
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     # every task of the job derives the same port from the job id; jobs sharing a node differ
@@ -82,8 +82,9 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
 def _hostlist(environ: Mapping[str, str], name: str) -> list[str]:
     try:
         return expand_hostlist(environ[name])
-    except ValueError as e:
-        raise ValueError(f"{name}={environ[name]!r}: {e}") from e
+    except ValueError as e:  # the hostlist's own message, which ends with its HINT
+        raise LauncherVariableError(f"{name}={environ[name]!r}: {e}", variable=name,
+                                    value=environ[name]) from e
 
 
 def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None,
@@ -104,9 +105,9 @@ def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None,
                 "SLURM_NTASKS_PER_NODE")
     if world_size is None:
         if rank > 0:
-            raise ValueError(
-                f"SLURM_PROCID={rank} is set but SLURM_NTASKS is unset, so the number of tasks is "
-                "unknown. HINT: run under srun, which sets both, or export SLURM_NTASKS=<tasks>.")
+            raise refuse("SLURM_NTASKS", None,
+                         f"SLURM_PROCID={rank} is set but SLURM_NTASKS is unset, so the number of tasks "
+                         "is unknown.", "run under srun, which sets both, or export SLURM_NTASKS=<tasks>.")
         world_size = 1
     # no per-node counts: an even split over the nodes (srun's default when it divides), the first
     # nodes taking one more when it does not
@@ -121,6 +122,6 @@ def _block_node(counts: list[int], rank: int, layout: str) -> int:
     for node, first_of_next in enumerate(itertools.accumulate(counts)):
         if rank < first_of_next:
             return node
-    raise ValueError(
-        f"SLURM_PROCID={rank} is beyond the {sum(counts)} task(s) that {layout} places on the nodes. "
-        "HINT: set SLURM_NODEID and SLURM_LOCALID (srun does), or make the two agree.")
+    raise refuse("SLURM_PROCID", rank,
+                 f"SLURM_PROCID={rank} is beyond the {sum(counts)} task(s) that {layout} places on the "
+                 "nodes.", "set SLURM_NODEID and SLURM_LOCALID (srun does), or make the two agree.")

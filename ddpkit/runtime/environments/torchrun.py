@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, DistEnv
-from ddpkit.runtime.environments.variables import check_rank, read_int, read_master_port, read_optional_int
+from ddpkit.runtime.environments.variables import (check_rank, read_int, read_master_port, read_optional_int,
+                                                   refuse)
 
 __all__ = ["from_torchrun"]
 
@@ -18,20 +19,14 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     has_rank, has_world = "RANK" in environ, "WORLD_SIZE" in environ
     if not (has_rank or has_world):
         return None
+    both = "set both (torchrun and 'ddpkit run' do), or neither for a single process."
     if not has_world:
-        raise ValueError(
-            f"RANK={environ['RANK']!r} is set but WORLD_SIZE is not. HINT: set both (torchrun and "
-            "'ddpkit run' do), or neither for a single process."
-        )
+        raise refuse("WORLD_SIZE", None, f"RANK={environ['RANK']!r} is set but WORLD_SIZE is not.", both)
     if not has_rank:
-        raise ValueError(
-            f"WORLD_SIZE={environ['WORLD_SIZE']!r} is set but RANK is not. HINT: set both (torchrun "
-            "and 'ddpkit run' do), or neither for a single process."
-        )
+        raise refuse("RANK", None, f"WORLD_SIZE={environ['WORLD_SIZE']!r} is set but RANK is not.", both)
     world_size = read_int(environ, "WORLD_SIZE", minimum=1,
-                          hint="HINT: set WORLD_SIZE to the number of processes in the job (1 or more).")
-    rank = read_int(environ, "RANK", hint="HINT: ranks count from 0; set RANK to this process's index "
-                                          "in [0, WORLD_SIZE).")
+                          hint="set WORLD_SIZE to the number of processes in the job (1 or more).")
+    rank = read_int(environ, "RANK", hint="ranks count from 0; set RANK to this process's index in [0, WORLD_SIZE).")
     check_rank("RANK", rank, "WORLD_SIZE", world_size)
 
     local_world_size = read_optional_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
@@ -44,11 +39,11 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
         local_rank = rank % local_world_size
     check_rank("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
     if local_world_size > world_size:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE={local_world_size} is larger than WORLD_SIZE={world_size}: a node "
-            "cannot hold more processes than the whole job. HINT: set LOCAL_WORLD_SIZE to the "
-            "processes on this node (torchrun's --nproc-per-node), at most WORLD_SIZE."
-        )
+        raise refuse("LOCAL_WORLD_SIZE", local_world_size,
+                     f"LOCAL_WORLD_SIZE={local_world_size} is larger than WORLD_SIZE={world_size}: a node "
+                     "cannot hold more processes than the whole job.",
+                     "set LOCAL_WORLD_SIZE to the processes on this node (torchrun's --nproc-per-node), "
+                     "at most WORLD_SIZE.")
     _check_consecutive(rank, local_rank, local_world_size, world_size, "LOCAL_WORLD_SIZE" in environ)
     node_rank = read_optional_int(environ, "GROUP_RANK")
     if node_rank is None:
@@ -60,7 +55,7 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                                              f"LOCAL_WORLD_SIZE={local_world_size} per node")
         check_rank("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE",
                    num_nodes or -(-world_size // local_world_size), described,
-                   "HINT: GROUP_RANK is this node's index (torchrun's --node-rank), counted from 0; "
+                   "GROUP_RANK is this node's index (torchrun's --node-rank), counted from 0; "
                    "check it and LOCAL_WORLD_SIZE.")
         even = num_nodes in (None, world_size // local_world_size) and world_size % local_world_size == 0
         if even and "LOCAL_WORLD_SIZE" in environ:  # a derived LOCAL_WORLD_SIZE is only a floor
@@ -70,16 +65,14 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
     if world_size > 1 and master_addr is None:
         who = "the other ranks" if rank == 0 else f"rank {rank}"
-        raise ValueError(
-            f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
-            "cannot find rank 0. HINT: launch with 'ddpkit run' or torchrun, which set it, "
-            "or export MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>."
-        )
+        raise refuse("MASTER_ADDR", None,
+                     f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
+                     "cannot find rank 0.",
+                     "launch with 'ddpkit run' or torchrun, which set it, or export "
+                     "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>.")
     if world_size > 1 and "MASTER_PORT" not in environ:
-        raise ValueError(
-            f"MASTER_ADDR={master_addr} is set but MASTER_PORT is not. HINT: export "
-            "MASTER_PORT=<a free port on the host of rank 0>."
-        )
+        raise refuse("MASTER_PORT", None, f"MASTER_ADDR={master_addr} is set but MASTER_PORT is not.",
+                     "export MASTER_PORT=<a free port on the host of rank 0>.")
     launcher = "ddpkit" if environ.get("DDPKIT_LAUNCHER") == "ddpkit" else "torchrun"
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, launcher)
@@ -93,17 +86,17 @@ def _check_consecutive(rank: int, local_rank: int, local_world_size: int, world_
         return
     size = (f"LOCAL_WORLD_SIZE={local_world_size}" if local_world_size_set
             else f"at least {local_world_size}, for LOCAL_RANK={local_rank}")
-    raise ValueError(
-        f"RANK={rank} and LOCAL_RANK={local_rank} disagree: a node's processes hold consecutive ranks, "
-        f"so this node's would start at rank {first}, and its processes ({size}) do not fit in "
-        f"WORLD_SIZE={world_size}. HINT: RANK is the node's first rank + LOCAL_RANK; check both.")
+    raise refuse("LOCAL_RANK", local_rank,
+                 f"RANK={rank} and LOCAL_RANK={local_rank} disagree: a node's processes hold consecutive "
+                 f"ranks, so this node's would start at rank {first}, and its processes ({size}) do not "
+                 f"fit in WORLD_SIZE={world_size}.", "RANK is the node's first rank + LOCAL_RANK; check both.")
 
 
 def _check_node_start(rank: int, local_rank: int, node_rank: int, local_world_size: int) -> None:
     """With LOCAL_WORLD_SIZE processes on every node, node GROUP_RANK starts at GROUP_RANK x that."""
     if rank - local_rank != node_rank * local_world_size:
-        raise ValueError(
-            f"RANK={rank} with LOCAL_RANK={local_rank} makes rank {rank - local_rank} this node's first, "
-            f"but GROUP_RANK={node_rank} with LOCAL_WORLD_SIZE={local_world_size} processes on every "
-            f"node starts it at rank {node_rank * local_world_size}. HINT: check RANK, LOCAL_RANK and "
-            "GROUP_RANK (torchrun's --node-rank).")
+        raise refuse("GROUP_RANK", node_rank,
+                     f"RANK={rank} with LOCAL_RANK={local_rank} makes rank {rank - local_rank} this node's "
+                     f"first, but GROUP_RANK={node_rank} with LOCAL_WORLD_SIZE={local_world_size} processes "
+                     f"on every node starts it at rank {node_rank * local_world_size}.",
+                     "check RANK, LOCAL_RANK and GROUP_RANK (torchrun's --node-rank).")

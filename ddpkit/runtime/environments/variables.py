@@ -2,28 +2,37 @@
 
 Every source reader parses the same kinds of values and must fail the same way, with the variable,
 its value and a HINT; sharing these few functions keeps the messages identical across launchers.
-All of them only read the mapping they are given.
+All of them only read the mapping they are given. ``refuse`` is how every reader raises: a
+``LauncherVariableError`` naming the variable to fix.
 """
 from __future__ import annotations
 
 import re
 from typing import Mapping
 
+from ddpkit.errors import LauncherVariableError, explain
+
 __all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "check_one_node",
-           "read_master_port"]
+           "read_master_port", "refuse"]
+
+
+def refuse(variable: str, value: object, what: str, hint: str) -> LauncherVariableError:
+    """The error for launcher variable ``variable`` (``value``: as read, or None when unset)."""
+    return LauncherVariableError(explain(what, hint), variable=variable,
+                                 value=None if value is None else str(value))
 
 
 def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str | None = None) -> int:
+    """``environ[name]`` as an int of at least ``minimum``; ``hint``: the fix for a smaller one."""
     raw = environ[name]
     # int() would also take '1_0', '+1' and non-ASCII digits: a launcher writes none of them
     if re.fullmatch(r"-?[0-9]+", raw.strip()) is None:
-        raise ValueError(
-            f"{name}={raw!r} is not an integer. HINT: set {name} to plain decimal digits, or unset it."
-        )
+        raise refuse(name, raw, f"{name}={raw!r} is not an integer.",
+                     f"set {name} to plain decimal digits, or unset it.")
     value = int(raw.strip())
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}. "
-                         f"{hint or f'HINT: set {name} to a whole number >= {minimum}, or unset it.'}")
+        raise refuse(name, raw, f"{name}={value} must be >= {minimum}.",
+                     hint or f"set {name} to a whole number >= {minimum}, or unset it.")
     return value
 
 
@@ -39,10 +48,9 @@ def check_rank(rank_name: str, rank: int, size_name: str, size: int, described: 
                hint: str | None = None) -> None:
     """``rank`` must be in [0, size); ``described`` says where ``size`` came from when not ``size_name``."""
     if not 0 <= rank < size:
-        hint = hint or ("HINT: the launcher and the job disagree on the number of processes; "
-                        f"check {size_name}.")
-        raise ValueError(f"{rank_name}={rank} is out of range for {described or f'{size_name}={size}'}: "
-                         f"{rank_name} must be in [0, {size}). {hint}")
+        raise refuse(rank_name, rank, f"{rank_name}={rank} is out of range for "
+                     f"{described or f'{size_name}={size}'}: {rank_name} must be in [0, {size}).",
+                     hint or f"the launcher and the job disagree on the number of processes; check {size_name}.")
 
 
 def check_one_node(rank_name: str, rank: int, local_name: str, local_rank: int,
@@ -52,17 +60,18 @@ def check_one_node(rank_name: str, rank: int, local_name: str, local_rank: int,
     Two processes with one local rank would pick the same GPU.
     """
     if local_world_size == world_size and local_rank != rank:
-        raise ValueError(
-            f"{local_name}={local_rank} differs from {rank_name}={rank}, but all {world_size} "
-            f"processes of the job are on this node, where the local rank is the rank. HINT: "
-            f"check {local_name}; two processes with one local rank would share a GPU.")
+        raise refuse(local_name, local_rank,
+                     f"{local_name}={local_rank} differs from {rank_name}={rank}, but all {world_size} "
+                     "processes of the job are on this node, where the local rank is the rank.",
+                     f"check {local_name}; two processes with one local rank would share a GPU.")
 
 
 def read_master_port(environ: Mapping[str, str], default: int) -> int:
     if "MASTER_PORT" not in environ:
         return default
-    hint = "HINT: set MASTER_PORT to a free TCP port in [1, 65535] on the host of rank 0, e.g. 29500."
+    hint = "set MASTER_PORT to a free TCP port in [1, 65535] on the host of rank 0, e.g. 29500."
     port = read_int(environ, "MASTER_PORT", minimum=1, hint=hint)
     if port > 65535:
-        raise ValueError(f"MASTER_PORT={port} is not a TCP port: it must be in [1, 65535]. {hint}")
+        raise refuse("MASTER_PORT", environ["MASTER_PORT"],
+                     f"MASTER_PORT={port} is not a TCP port: it must be in [1, 65535].", hint)
     return port
