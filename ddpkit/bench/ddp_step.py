@@ -115,7 +115,8 @@ def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, step
     """Seconds per step for each stepper, ``repeats`` each, in rounds; max over ranks.
 
     Odd rounds run the steppers in reverse order: in a fixed order each variant always follows the
-    same other one, and that position alone moved a variant by up to 3% here.
+    same other one, and that position alone can move a variant by a few percent (see
+    docs/performance.md).
     ``cpu_out`` receives the process CPU seconds per step as well (all threads of the rank, Gloo's
     included): on a shared, noisy machine it shows the work done where wall time shows the waiting.
     """

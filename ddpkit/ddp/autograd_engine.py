@@ -47,12 +47,12 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
 def outside_backward_python_context() -> Iterator[None]:
     """Launch collectives from a backward pass without its Python context in their thread state.
 
-    torch (2.13 here) stashes a ``contextvars.Context`` in C++
-    thread-local state for the length of ``backward()`` ("context" key), and every collective
-    snapshots that state into its Gloo work. When the Gloo thread drops the last reference to such
-    a work while the interpreter is exiting, freeing the Python object needs the GIL and the process
-    dies with "terminate called without an active exception" (a third of two-rank runs did). The
-    collectives need nothing from that context, so they are launched without it.
+    torch stashes a ``contextvars.Context`` in C++ thread-local state for the length of
+    ``backward()`` ("context" key, where that key exists), and every collective snapshots that state
+    into its Gloo work. When the Gloo thread drops the last reference to such a work while the
+    interpreter is exiting, freeing the Python object needs the GIL and the process dies with
+    "terminate called without an active exception". The collectives need nothing from that context,
+    so they are launched without it: see Note [Private autograd calls] in docs/design.md.
     """
     if not (_BACKWARD_STASHES_CONTEXT and torch._C._is_key_in_tls("context")):
         yield

@@ -89,8 +89,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             self._verify_same_parameters(local_error)
         if local_error is not None:
             raise local_error
-        # whether there are buffers at all: walking the module tree each forward costs ~1 ms at 400
-        # modules, so a model without buffers is not walked again
+        # whether there are buffers at all: a model without buffers is not walked again each forward,
+        # a walk that costs time in proportion to its modules (see docs/performance.md)
         self._has_buffers = any(True for _ in self._synced_buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
         if self.world_size > 1:

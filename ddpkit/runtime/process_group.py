@@ -51,9 +51,9 @@ def _let_collective_threads_settle() -> None:
     A Gloo thread releases a finished collective's work, and with it the last reference to tensors
     whose Python objects torch keeps alive for C++ (or to backward's context), a moment after the
     collective returns. Should that moment fall inside interpreter finalization, taking the GIL to
-    free them kills the process ("terminate called without an active exception"): a script whose
-    last act is a collective (a checkpoint's broadcast) aborted in a third of two-rank runs.
-    Sleeping releases the GIL to those threads before finalization begins.
+    free them kills the process ("terminate called without an active exception"), as in a script
+    whose last act is a collective (a checkpoint's broadcast). Sleeping releases the GIL to those
+    threads before finalization begins: see Note [Private autograd calls] in docs/design.md.
     """
     time.sleep(_SETTLE_SECONDS)
 
