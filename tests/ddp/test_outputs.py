@@ -7,11 +7,11 @@ from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
+from ranks import run_ranks
 from torch import nn
 
 import ddpkit
 from ddpkit.ddp.outputs import find_tensors, to_device
-from ranks import run_ranks
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 Pair = namedtuple("Pair", ["main", "side"])

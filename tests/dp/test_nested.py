@@ -100,7 +100,8 @@ def test_split_looks_at_each_value_once(monkeypatch):
 
 
 def test_join_refuses_dicts_with_different_keys():
-    with pytest.raises(ValueError, match=r"all objects must be dicts with the same keys, but found \[\['a'\], \['b'\]\]"):
+    with pytest.raises(ValueError, match=r"all objects must be dicts with the same keys, "
+                                         r"but found \[\['a'\], \['b'\]\]"):
         join(lambda leaves: leaves[0], [{"a": 1}, {"b": 1}])
 
 
