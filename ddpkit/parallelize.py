@@ -29,6 +29,7 @@ from torch import nn
 
 from ddpkit.ddp.distributed import DistributedDataParallel
 from ddpkit.dp.data_parallel import DataParallel
+from ddpkit.dp.devices import as_devices
 from ddpkit.runtime.process_group import current_env, get_local_rank, require_group_when_launched
 
 __all__ = ["parallelize", "local_devices"]
@@ -75,7 +76,7 @@ def local_devices(devices: Sequence[Any] | None, cuda_count: int) -> list[torch.
     if devices is not None:
         if isinstance(devices, (str, int, torch.device)) or len(devices) == 0:
             raise ValueError(f"devices={devices!r} must be a non-empty list, e.g. ['cpu', 'cpu'] or [0, 1].")
-        return [_as_device(d) for d in devices]
+        return as_devices(devices, what="devices")
     if cuda_count > 1:
         return [torch.device("cuda", i) for i in range(cuda_count)]
     return None
@@ -129,13 +130,3 @@ def _check_options(options: dict[str, Any], wrapper: str, valid_here: set[str]) 
             raise TypeError(
                 f"parallelize() got an unexpected option {name!r}. Valid for {wrapper}, which this "
                 f"process runs as: {listed}. Accepted but ignored here: {ignored}.")
-
-
-def _as_device(device: Any) -> torch.device:
-    if isinstance(device, bool):
-        raise TypeError(f"{device!r} is not a device: use an int (CUDA index), a str or a torch.device.")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    if isinstance(device, (str, torch.device)):
-        return torch.device(device)
-    raise TypeError(f"{device!r} is not a device: use an int (CUDA index), a str or a torch.device.")

@@ -80,7 +80,8 @@ def test_local_devices_prefers_named_devices_then_all_gpus_then_none():
     assert local_devices(None, cuda_count=0) is None
     with pytest.raises(ValueError, match="non-empty list"):
         local_devices([], cuda_count=0)
-    with pytest.raises(TypeError, match="is not a device"):
+    with pytest.raises(TypeError, match=r"devices\[0\] must be an int \(CUDA index\), a str or a torch.device, "
+                                        r"but found float 1.5"):
         local_devices([1.5], cuda_count=0)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ddpkit.ddp.bucket import DEFAULT_FIRST_BUCKET_BYTES
+from ddpkit.dp.devices import as_device
 from ddpkit.errors import explain
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
@@ -65,11 +66,11 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
                 "leave device_ids and output_device as None for CPU or multi-device modules."))
         return params[0].device, None, None
-    device = _as_device(device_ids[0], types[0])
+    device = as_device(device_ids[0], what="device_ids[0]")
     if device not in devices:
         raise ValueError(explain(f"device_ids names {device}, but the module's parameters are on "
                                  f"{next(iter(devices))}.", f"move the module there with .to({str(device)!r})."))
-    output = device if output_device is None else _as_device(output_device, types[0])
+    output = device if output_device is None else as_device(output_device, what="output_device")
     return device, [device.index], output
 
 
@@ -111,12 +112,3 @@ def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | N
         return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
                 f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
     return None
-
-
-def _as_device(device: int | str | torch.device, device_type: str) -> torch.device:
-    if isinstance(device, int):
-        return torch.device(device_type, device)
-    device = torch.device(device)
-    if device.index is None and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device

@@ -8,39 +8,33 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from ddpkit.dp.nested import map_tensors, tensors
+
 __all__ = ["find_tensors", "to_device", "unreached_parameters"]
 
 
 def find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) output: tensors, lists, tuples, dicts, dataclasses; with
-    ``attributes`` also those a plain object holds (one level: no cycles to follow)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from find_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from find_tensors(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for field in dataclasses.fields(obj):
-            yield from find_tensors(getattr(obj, field.name))
-    elif attributes and hasattr(obj, "__dict__") and not isinstance(obj, (type, nn.Module)):
-        for item in vars(obj).values():
-            yield from find_tensors(item)
+    """Every tensor in a (nested) output, as ``ddpkit.dp.nested`` walks it (tensors, tuples, lists,
+    dicts, namedtuples, dataclasses' init fields); with ``attributes``, when ``obj`` itself is a
+    plain object, those its attributes hold (one level: no cycles to follow)."""
+    if attributes and _is_plain_object(obj):
+        for value in vars(obj).values():
+            yield from tensors(value)
+    else:
+        yield from tensors(obj)
+
+
+def _is_plain_object(obj: Any) -> bool:
+    """Neither a tensor nor a container the walker looks into, yet with attributes to look at."""
+    if isinstance(obj, (torch.Tensor, tuple, list, dict, type, nn.Module)):
+        return False
+    return hasattr(obj, "__dict__") and not dataclasses.is_dataclass(obj)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) input to ``device``, as torch's DDP does with device_ids."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(o, device) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device)) for k, v in obj.items())
-    return obj
+    """Move the tensors of a (nested) input to ``device``, as torch's DDP does with device_ids;
+    what holds no tensor to move comes back as the same object."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj)
 
 
 def unreached_parameters(outputs: list[torch.Tensor], index_of: Mapping[int, int]) -> list[int]:

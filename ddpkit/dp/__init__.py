@@ -1,8 +1,9 @@
 """Single-process DataParallel from four primitives, on CUDA and CPU devices alike.
 
 ``scatter_gather`` splits inputs and joins outputs, ``replicate`` copies the module differentiably,
-``parallel_apply`` runs the replicas in threads, ``data_parallel`` composes them; ``devices`` parses
-what names a device and ``torch_names`` accepts torch's keyword names for the primitives' arguments.
+``parallel_apply`` runs the replicas in threads, ``data_parallel`` composes them; ``nested`` is the one
+walker of nested inputs and outputs (DDP's too), ``devices`` parses what names a device and
+``torch_names`` accepts torch's keyword names for the primitives' arguments.
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available, device_id
-from ddpkit.dp.parallel_apply import parallel_apply
-from ddpkit.dp.replicate import replicate
-from ddpkit.dp.scatter_gather import gather, scatter_kwargs
+from ddpkit.dp.parallel_apply import parallel_apply_on
+from ddpkit.dp.replicate import replicate_to
+from ddpkit.dp.scatter_gather import gather_target, gather_to, scatter_kwargs_to
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -144,6 +144,7 @@ class DataParallel(nn.Module, Generic[M]):
             if not self.device_ids:
                 return self.module(*inputs, **kwargs)
             _check_placement(self.module, self.src_device_obj)
+            # device_ids were checked in __init__: the four steps trust them instead of checking again
             inputs, module_kwargs = self.scatter(inputs, kwargs, self.device_ids)
             inputs, module_kwargs = _at_least_one_call(inputs, module_kwargs)
             if len(self.device_ids) == 1:
@@ -155,17 +156,18 @@ class DataParallel(nn.Module, Generic[M]):
     def scatter(
         self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike]
     ) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+        return scatter_kwargs_to(inputs, kwargs, as_devices(device_ids, what="device_ids"), self.dim)
 
     def replicate(self, module: M, device_ids: Sequence[DeviceLike]) -> list[M]:
         # without grad there is no backward to route, so the replicas need no autograd link
-        return replicate(module, device_ids, not torch.is_grad_enabled())
+        return replicate_to(module, as_devices(device_ids, what="device_ids"), not torch.is_grad_enabled())
 
     def parallel_apply(self, replicas: Sequence[M], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)])
+        devices = as_devices(self.device_ids[: len(replicas)], what="device_ids")
+        return parallel_apply_on(replicas, inputs, kwargs, devices)
 
     def gather(self, outputs: Sequence[Any], output_device: DeviceLike) -> Any:
-        return gather(outputs, output_device, dim=self.dim)
+        return gather_to(outputs, gather_target(output_device), self.dim)
 
 
 def data_parallel(
@@ -193,11 +195,11 @@ def data_parallel(
         return module(*inputs, **(module_kwargs or {}))
     output = _resolve_output_device(output_device, devices)
     _check_placement(module, devices[0])
-    scattered, scattered_kwargs = scatter_kwargs(inputs, module_kwargs, devices, dim)
+    scattered, scattered_kwargs = scatter_kwargs_to(inputs, module_kwargs, devices, dim)
     scattered, scattered_kwargs = _at_least_one_call(scattered, scattered_kwargs)
     if len(devices) == 1:
         return module(*scattered[0], **scattered_kwargs[0])
     used = devices[: len(scattered)]
-    replicas = replicate(module, used, not torch.is_grad_enabled())
-    outputs = parallel_apply(replicas, scattered, scattered_kwargs, used)
-    return gather(outputs, output, dim)
+    replicas = replicate_to(module, used, not torch.is_grad_enabled())
+    outputs = parallel_apply_on(replicas, scattered, scattered_kwargs, used)
+    return gather_to(outputs, gather_target(output), dim)

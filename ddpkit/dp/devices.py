@@ -1,4 +1,4 @@
-"""Device normalisation shared by the DataParallel primitives.
+"""Device normalisation: the one parser of what names a device, for DataParallel, DDP and parallelize.
 
 Vocabulary: a ``device`` is a ``torch.device``; a ``device_id`` is what torch's DataParallel stores in
 ``device_ids`` (an int for a CUDA device). ddpkit also accepts CPU devices, stored as ``torch.device("cpu")``.
@@ -46,7 +46,7 @@ def as_device(device: DeviceLike, *, what: str = "device") -> torch.device:
     if dev.type not in _SUPPORTED:
         raise ValueError(
             f"{what} must be a CPU or CUDA device, but found {dev}. "
-            "HINT: DataParallel replicates over 'cpu' and 'cuda:N' devices only."
+            "HINT: name a 'cpu' or 'cuda:N' device."
         )
     if dev.type == "cpu":
         return torch.device("cpu")

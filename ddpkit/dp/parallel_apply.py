@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ddpkit.dp.devices import DeviceLike, as_device, check_available
+from ddpkit.dp.nested import tensors
 
 __all__ = ["parallel_apply"]
 
@@ -60,26 +61,13 @@ class _KeyErrorMessage(str):
         return self
 
 
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 def _resolve_device(index: int, device: DeviceLike | None, inputs: Any, kwargs: dict[str, Any]) -> torch.device | None:
     """The replica's device: the one given, else that of its first tensor input (as torch)."""
     if device is not None:
         resolved = as_device(device, what=f"devices[{index}]")
         check_available(resolved, f"devices[{index}]")
         return resolved
-    found = _first_tensor((inputs, kwargs))
+    found = next(tensors((inputs, kwargs)), None)
     return None if found is None else found.device
 
 
@@ -168,11 +156,22 @@ def parallel_apply(
         devices = [None] * len(modules)
     _check_length("devices", len(devices), len(modules))
     resolved = [_resolve_device(i, d, x, k) for i, (d, x, k) in enumerate(zip(devices, inputs, kwargs_tup))]
+    return parallel_apply_on(modules, inputs, kwargs_tup, resolved)
+
+
+def parallel_apply_on(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]],
+    devices: Sequence[torch.device | None],
+) -> list[Any]:
+    """parallel_apply with one entry per module everywhere and devices already parsed and checked
+    (DataParallel checks them once, at construction); None: no current device to set."""
     state = _ThreadState.capture()
     results: list[Any] = [None] * len(modules)
     jobs = [
         (i, module, x, kwargs, device, _caller_stream(device), state, results)
-        for i, (module, x, kwargs, device) in enumerate(zip(modules, inputs, kwargs_tup, resolved))
+        for i, (module, x, kwargs, device) in enumerate(zip(modules, inputs, kwargs_tup, devices))
     ]
     if len(jobs) == 1:
         _run_replica(*jobs[0])
@@ -182,7 +181,7 @@ def parallel_apply(
             thread.start()
         for thread in threads:
             thread.join()
-    for i, (result, device) in enumerate(zip(results, resolved)):
+    for i, (result, device) in enumerate(zip(results, devices)):
         if isinstance(result, _Failure):
             _reraise(i, device, result)
     return results

@@ -101,10 +101,16 @@ def replicate(module: M, devices: Sequence[DeviceLike], detach: bool = False) ->
     Example:
         >>> replicas = replicate(nn.Linear(5, 2), ["cpu", "cpu"])
     """
-    _check_replicatable(module)
     targets = as_devices(devices)
     for i, device in enumerate(targets):
         check_available(device, f"devices[{i}]")
+    return replicate_to(module, targets, detach)
+
+
+def replicate_to(module: M, targets: list[torch.device], detach: bool) -> list[M]:
+    """replicate onto devices already parsed and checked (DataParallel checks them once, at
+    construction, not at every forward)."""
+    _check_replicatable(module)
     if not targets:
         return []
 

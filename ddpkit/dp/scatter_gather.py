@@ -2,14 +2,15 @@
 
 Tensors are chunked exactly like ``torch.chunk`` (so a batch of 10 over 8 devices gives five chunks of 2
 and only five replicas run, as in torch); tuples, lists, dicts, namedtuples and dataclasses are recursed
-into; any other object is passed by reference to every device. Unlike torch, ``scatter`` always returns
-a tuple with one item per device (torch returns a tuple for a lone tensor and a list otherwise).
+into as ``ddpkit.dp.nested`` says; any other object is passed by reference to every device. Unlike
+torch, ``scatter`` always returns a tuple with one item per device (torch returns a tuple for a lone
+tensor and a list otherwise).
 Both directions are differentiable: gradients flow from the chunks back to the input, and from the
 gathered output back to every replica's output.
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -17,22 +18,10 @@ from typing import Any
 import torch
 
 from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
+from ddpkit.dp.nested import UnevenSplit, join, split, tensors
 from ddpkit.dp.torch_names import torch_keywords
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
-
-
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
-
-
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-def _init_fields(obj: Any) -> list[str]:
-    # only init fields can be passed to dataclasses.replace; the others are derived in __post_init__
-    return [f.name for f in dataclasses.fields(obj) if f.init]
 
 
 def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
@@ -55,69 +44,22 @@ def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> l
     return [chunk.to(device, copy=True) for chunk, device in zip(t.chunk(len(devices), dim), devices)]
 
 
-def _holds_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v) for v in obj)
-    if _is_dataclass_instance(obj):
-        return any(_holds_tensor(getattr(obj, n)) for n in _init_fields(obj))
-    return False
-
-
-def _scatter_each(values: Sequence[Any], devices: list[torch.device], dim: int) -> list[list[Any]]:
-    """Scatter every value; those holding tensors must split into the same number of chunks.
+def _split_over(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
+    """One piece of ``obj`` per device (fewer when a tensor has fewer rows than devices).
 
     Objects passed by reference come once per device and are cut to the tensors' count, as torch's
     zip does; tensors that split differently would leave some replica without its share of the
     batch (torch then drops rows silently), so that is an error here.
     """
-    scattered = [_scatter_map(v, devices, dim) for v in values]
-    counts = {len(s) for s, v in zip(scattered, values) if _holds_tensor(v)}
-    if len(counts) > 1:
-        sizes = [tuple(t.shape) for v in values for t in _tensors(v)][:8]
+    try:
+        return split(functools.partial(_scatter_tensor, devices=devices, dim=dim), obj, len(devices))
+    except UnevenSplit as e:
+        sizes = [tuple(t.shape) for t in tensors(e.values)][:8]
         raise ValueError(
             f"cannot scatter inputs over {len(devices)} devices along dim={dim}: their tensors split "
-            f"into different numbers of chunks {sorted(counts)} (shapes {sizes}), so some replica "
+            f"into different numbers of chunks {e.counts} (shapes {sizes}), so some replica "
             "would get only part of its inputs. HINT: give every batched input the same size along "
-            "dim, and pass unbatched tensors as module attributes or buffers instead of inputs.")
-    return scattered
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    elif _is_dataclass_instance(obj):
-        obj = [getattr(obj, n) for n in _init_fields(obj)]
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
-
-
-def _scatter_map(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
-    """One item per device (fewer when a tensor has fewer rows than devices)."""
-    if isinstance(obj, torch.Tensor):
-        return _scatter_tensor(obj, devices, dim)
-    if _is_namedtuple(obj) and len(obj) > 0:
-        return [type(obj)(*items) for items in zip(*_scatter_each(obj, devices, dim))]
-    if isinstance(obj, tuple) and len(obj) > 0:
-        return [tuple(items) for items in zip(*_scatter_each(obj, devices, dim))]
-    if isinstance(obj, list) and len(obj) > 0:
-        return [list(items) for items in zip(*_scatter_each(obj, devices, dim))]
-    if isinstance(obj, dict) and len(obj) > 0:
-        keys = list(obj)
-        per_device = zip(*_scatter_each([obj[k] for k in keys], devices, dim))
-        return [type(obj)(zip(keys, values)) for values in per_device]
-    if _is_dataclass_instance(obj):
-        names = _init_fields(obj)
-        if names:
-            per_device = zip(*_scatter_each([getattr(obj, n) for n in names], devices, dim))
-            return [dataclasses.replace(obj, **dict(zip(names, values))) for values in per_device]
-    return [obj for _ in devices]
+            "dim, and pass unbatched tensors as module attributes or buffers instead of inputs.") from e
 
 
 def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
@@ -142,7 +84,7 @@ def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> 
         >>> scatter(torch.zeros(30, 5), ["cpu"] * 8)[-1].shape
         torch.Size([2, 5])
     """
-    return tuple(_scatter_map(inputs, _target_devices(target_devices), dim))
+    return tuple(_split_over(inputs, _target_devices(target_devices), dim))
 
 
 @torch_keywords(target_gpus="target_devices")
@@ -158,14 +100,20 @@ def scatter_kwargs(
         ValueError: positional and keyword tensors split into different numbers of chunks (torch
             pads the keyword side with ``{}`` there, so the last replicas silently lose their kwargs).
     """
-    devices = _target_devices(target_devices)
+    return scatter_kwargs_to(inputs, kwargs, _target_devices(target_devices), dim)
+
+
+def scatter_kwargs_to(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, devices: list[torch.device], dim: int
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+    """scatter_kwargs over devices already parsed and checked (DataParallel checks them once, at
+    construction, not at every forward)."""
     if inputs and kwargs:
-        pairs = list(zip(*_scatter_each([tuple(inputs), kwargs], devices, dim)))
+        pairs = _split_over((tuple(inputs), kwargs), devices, dim)
         scattered_inputs, scattered_kwargs = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
-        scattered_inputs = _scatter_map(tuple(inputs), devices, dim) if inputs else []
-        scattered_kwargs = _scatter_map(kwargs, devices, dim) if kwargs else []
-    scattered_inputs = [tuple(x) for x in scattered_inputs]
+        scattered_inputs = _split_over(tuple(inputs), devices, dim) if inputs else []
+        scattered_kwargs = _split_over(kwargs, devices, dim) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
     elif len(scattered_kwargs) < len(scattered_inputs):
@@ -178,7 +126,7 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
         warnings.warn(
             "Was asked to gather along dimension 0, but all input tensors were scalars; "
             "will instead unsqueeze and return a vector.",
-            stacklevel=4,
+            stacklevel=6,  # for an output that is one tensor: the line that called gather
         )
         outputs = [t.view(1) for t in outputs]
     for t in outputs:
@@ -194,25 +142,13 @@ def _same_everywhere(outputs: Sequence[Any]) -> bool:
         return False
 
 
-def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
+def _gather_leaves(outputs: list[Any], target: torch.device, dim: int) -> Any:
+    """Join what the replicas returned at one position of their outputs' structure."""
     out = outputs[0]
     if isinstance(out, torch.Tensor):
         return _gather_tensors(outputs, target, dim)
     if out is None:
         return None
-    if isinstance(out, dict):
-        if not all(isinstance(d, dict) and d.keys() == out.keys() for d in outputs):
-            found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in outputs]
-            raise ValueError(f"all replicas must return dicts with the same keys, but found {found}")
-        return type(out)((k, _gather_map([d[k] for d in outputs], target, dim)) for k in out)
-    if _is_namedtuple(out):
-        return type(out)._make(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_gather_map(items, target, dim) for items in zip(*outputs, strict=True))
-    if _is_dataclass_instance(out):
-        names = _init_fields(out)
-        gathered = {n: _gather_map([getattr(o, n) for o in outputs], target, dim) for n in names}
-        return dataclasses.replace(out, **gathered)
     if _same_everywhere(outputs):
         return out  # what scatter passed by reference comes back as it went
     raise TypeError(
@@ -220,6 +156,13 @@ def _gather_map(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
         f"(found {list(outputs)!r:.200}): expected tensors, None, or tuples, lists, dicts, namedtuples "
         "or dataclasses of them. HINT: return such values from forward, or wrap them in a tensor."
     )
+
+
+def gather_target(target_device: DeviceLike) -> torch.device:
+    """Where gather puts its output: -1 means the CPU, as in torch; anything else goes to as_device."""
+    if isinstance(target_device, int) and not isinstance(target_device, bool) and target_device == -1:
+        return torch.device("cpu")
+    return as_device(target_device, what="target_device")
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
@@ -230,9 +173,11 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     """
     if len(outputs) == 0:
         raise ValueError("outputs is empty: expected one output per replica, found none.")
-    if isinstance(target_device, int) and not isinstance(target_device, bool) and target_device == -1:
-        target = torch.device("cpu")
-    else:
-        target = as_device(target_device, what="target_device")
-        check_available(target, "target_device")
-    return _gather_map(outputs, target, dim)
+    target = gather_target(target_device)
+    check_available(target, "target_device")
+    return gather_to(outputs, target, dim)
+
+
+def gather_to(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
+    """gather onto a device already parsed and checked."""
+    return join(functools.partial(_gather_leaves, target=target, dim=dim), outputs, what="replica outputs")

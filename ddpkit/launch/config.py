@@ -17,10 +17,10 @@ from typing import Mapping, Sequence
 import torch
 
 from ddpkit.errors import explain
+from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
-DEFAULT_MASTER_PORT = 29500
 DEFAULT_GRACE_PERIOD = 30.0  # torchrun's --shutdown-timeout default
 DEFAULT_RDZV_TIMEOUT = 900.0  # torchrun's static rendezvous waits 15 minutes too
 DEFAULT_NODE_TIMEOUT = 30.0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import importlib.util
 from collections import Counter, namedtuple
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_training_steps_match_full_batch_training():
     model, reference = _mlp(), _mlp()
     wrapped = DataParallel(model, device_ids=["cpu"] * 3)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    for step in range(3):
+    for _ in range(3):
         x, target = torch.randn(12, 5, dtype=torch.float64), torch.randn(12, 2, dtype=torch.float64)
         for net, optimizer in ((wrapped, opt), (reference, ref_opt)):
             optimizer.zero_grad()
@@ -122,6 +123,40 @@ def test_nested_inputs_kwargs_namedtuple_and_dataclass_outputs():
     # a 0-dim loss per replica comes back as a vector, one entry per replica
     assert result.loss.shape == (3,)
     torch.testing.assert_close(result.loss.sum(), ref_result.loss)
+
+
+@dataclasses.dataclass
+class Features:
+    x: torch.Tensor
+    scale: float
+
+
+class TakesFeatures(nn.Linear):
+    def forward(self, features: Features) -> Result:
+        y = super().forward(features.x) * features.scale
+        return Result(y, y.sum(dim=1))
+
+
+def test_a_dataclass_input_is_split_and_its_output_joined():
+    model = TakesFeatures(5, 2).double()
+    x = torch.randn(9, 5, dtype=torch.float64)
+    out = DataParallel(model, device_ids=["cpu"] * 3)(Features(x, 2.0))
+    expected = model(Features(x, 2.0))
+    assert isinstance(out, Result)
+    torch.testing.assert_close(out.y, expected.y)
+    torch.testing.assert_close(out.loss, expected.loss)
+
+
+def test_forward_does_not_check_the_devices_again(monkeypatch):
+    """device_ids are checked once, at construction; the four steps trust them."""
+    wrapped = DataParallel(_mlp(), device_ids=["cpu"] * 3)
+    calls = []
+    for name in ("data_parallel", "scatter_gather", "replicate", "parallel_apply"):
+        monkeypatch.setattr(importlib.import_module(f"ddpkit.dp.{name}"), "check_available",
+                            lambda device, what: calls.append(what))
+    wrapped(torch.randn(6, 5, dtype=torch.float64))
+    data_parallel(_mlp(), torch.randn(6, 5, dtype=torch.float64), ["cpu"] * 3)
+    assert calls == ["device_ids[0]", "device_ids[1]", "device_ids[2]"]  # data_parallel's own, once
 
 
 def test_a_scalar_output_becomes_one_entry_per_replica_with_torchs_warning():

@@ -1,0 +1,155 @@
+"""The one walker of nested inputs and outputs, shared by scatter, gather, parallel_apply and DDP.
+
+What counts as a container, and how it is rebuilt, is decided here once:
+
+* tuples and lists, rebuilt as ``type(obj)(values)``; namedtuples as ``type(obj)(*values)``;
+* dicts, by value, rebuilt as ``type(obj)(pairs)`` so an OrderedDict stays one;
+* dataclass instances, through their *init* fields, rebuilt with ``dataclasses.replace``. Fields
+  declared ``init=False`` are state the dataclass derives itself (in ``__post_init__``): they are not
+  visited, and a rebuilt copy derives them again from its new init fields. torch's DDP also reads
+  non-init fields when it looks for output tensors; ddpkit reads the same fields everywhere.
+
+Anything else (None, numbers, strings, modules, plain objects) is a leaf, as is a tensor. An empty
+container holds nothing to walk: ``split`` hands the same object to every piece, as torch's scatter
+does, and ``map_tensors`` returns it as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["UnevenSplit", "is_namedtuple", "join", "map_tensors", "split", "tensors"]
+
+
+class _Node(NamedTuple):
+    """A container's direct values, the keys that read them (None: by position), and its rebuild."""
+
+    keys: list[Any] | None
+    values: list[Any]
+    rebuild: Callable[[list[Any]], Any]
+
+
+def is_namedtuple(obj: Any) -> bool:
+    """torch's test: a tuple with namedtuple's methods (collections.namedtuple, typing.NamedTuple)."""
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def _init_fields(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj) if f.init]
+
+
+def _node(obj: Any) -> _Node | None:
+    """How to look inside ``obj``; None for a leaf."""
+    if isinstance(obj, torch.Tensor):
+        return None
+    if is_namedtuple(obj):
+        return _Node(None, list(obj), lambda values: type(obj)(*values))
+    if isinstance(obj, (tuple, list)):
+        return _Node(None, list(obj), type(obj))
+    if isinstance(obj, dict):
+        keys = list(obj)
+        return _Node(keys, [obj[k] for k in keys], lambda values: type(obj)(zip(keys, values)))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _init_fields(obj)
+        return _Node(names, [getattr(obj, n) for n in names],
+                     lambda values: dataclasses.replace(obj, **dict(zip(names, values))))
+    return None
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, depth first, in the order of the containers' values."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    node = _node(obj)
+    if node is not None:
+        for value in node.values:
+            yield from tensors(value)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to each of its tensors.
+
+    A container is rebuilt only where ``fn`` returned something other than the tensor it was given,
+    so what holds no tensor (or only tensors ``fn`` kept) comes back as the very same object.
+
+    Example:
+        >>> map_tensors(lambda t: t * 2, {"x": torch.ones(2), "tag": "a"})
+        {'x': tensor([2., 2.]), 'tag': 'a'}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    node = _node(obj)
+    if node is None or not node.values:
+        return obj
+    mapped = [map_tensors(fn, v) for v in node.values]
+    if all(new is old for new, old in zip(mapped, node.values)):
+        return obj
+    return node.rebuild(mapped)
+
+
+class UnevenSplit(ValueError):
+    """Tensors side by side in one container split into different numbers of pieces."""
+
+    def __init__(self, values: list[Any], counts: list[int]) -> None:
+        super().__init__(f"values split into different numbers of pieces {counts}")
+        self.values = values
+        self.counts = counts
+
+
+def split(fn: Callable[[torch.Tensor], Sequence[Any]], obj: Any, count: int) -> list[Any]:
+    """``obj`` as a list of pieces of the same structure: ``fn`` splits every tensor into pieces.
+
+    Containers split position by position; a leaf that is not a tensor goes by reference into each
+    of ``count`` pieces. Where a tensor splits into fewer pieces than ``count``, the result has as
+    many pieces as the tensors do (the other values are cut to match, as torch's zip does).
+
+    Raises:
+        UnevenSplit: tensors in one container split into different numbers of pieces (some piece
+            would lack part of its values); it carries those values and the counts.
+    """
+    return _split(fn, obj, count)[0]
+
+
+def _split(fn: Callable[[torch.Tensor], Sequence[Any]], obj: Any, count: int) -> tuple[list[Any], bool]:
+    """The pieces, and whether ``obj`` holds a tensor: the parent's count check needs both, and
+    returning them together walks each subtree once."""
+    if isinstance(obj, torch.Tensor):
+        return list(fn(obj)), True
+    node = _node(obj)
+    if node is None or not node.values:
+        return [obj] * count, False
+    parts = [_split(fn, v, count) for v in node.values]
+    counts = {len(pieces) for pieces, holds in parts if holds}
+    if len(counts) > 1:
+        raise UnevenSplit(node.values, sorted(counts))
+    return [node.rebuild(list(values)) for values in zip(*(pieces for pieces, _ in parts))], bool(counts)
+
+
+def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "objects") -> Any:
+    """Zip ``objs`` of one structure into one object of that structure: the inverse of split.
+
+    The structure is that of ``objs[0]``; ``fn`` gets the list of leaves found at one position (one
+    from each object) and returns their joined value.
+
+    Raises:
+        ValueError: dicts at one position have different keys, or sequences different lengths
+            (``what`` names the objects in the message).
+    """
+    first = objs[0]
+    node = _node(first)
+    if node is None:
+        return fn(list(objs))
+    if isinstance(first, dict):
+        if not all(isinstance(d, dict) and d.keys() == first.keys() for d in objs):
+            found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in objs]
+            raise ValueError(f"all {what} must be dicts with the same keys, but found {found}")
+        columns = [[d[k] for d in objs] for k in node.keys]
+    elif node.keys is not None:  # a dataclass: its init fields, by name
+        columns = [[getattr(o, name) for o in objs] for name in node.keys]
+    else:
+        columns = [list(column) for column in zip(*objs, strict=True)]
+    return node.rebuild([join(fn, column, what=what) for column in columns])

@@ -1,0 +1,41 @@
+"""check_devices reads device_ids and output_device with ddpkit's one device parser (dp.devices.as_device)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpkit.ddp.arguments import check_devices
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _params(device: str) -> list[torch.Tensor]:
+    # meta tensors stand in for a module on one non-CPU device without needing a GPU
+    return [torch.empty(3, device=device), torch.empty(2, device=device)]
+
+
+@pytest.mark.parametrize("device_ids, error, match", [
+    (["gpu7"], ValueError, r"device_ids\[0\] 'gpu7' is not a device name"),
+    ([True], TypeError, r"device_ids\[0\] must be an int \(CUDA index\), a str or a torch.device, but found bool"),
+    ([-1], ValueError, r"device_ids\[0\] must be a non-negative CUDA index, but found -1"),
+    ([0], ValueError, r"device_ids names cuda:0, but the module's parameters are on meta"),
+])
+def test_device_ids_are_parsed_like_every_other_device_argument(device_ids, error, match):
+    with pytest.raises(error, match=match):
+        check_devices(_params("meta"), device_ids, None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", [0, "cuda:0", torch.device("cuda", 0)])
+def test_every_spelling_of_the_gpu_names_the_same_device(name):
+    device, device_ids, output = check_devices(_params("cuda:0"), [name], None)
+    assert device == torch.device("cuda", 0) and device_ids == [0] and output == device
+
+
+@needs_cuda
+def test_a_bare_cuda_means_the_current_device_and_output_device_is_parsed_too():
+    torch.cuda.set_device(0)
+    device, _, output = check_devices(_params("cuda:0"), ["cuda"], "cuda:0")
+    assert device == output == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=r"output_device 'gpu' is not a device name"):
+        check_devices(_params("cuda:0"), [0], "gpu")

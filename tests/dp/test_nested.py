@@ -1,0 +1,141 @@
+"""The one walker of nested values, and the agreement of everything built on it: scatter, gather,
+parallel_apply's device choice and DDP's output search and input move see the same tensors."""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.ddp.outputs import find_tensors, to_device
+from ddpkit.dp import nested
+from ddpkit.dp.nested import UnevenSplit, join, map_tensors, split, tensors
+from ddpkit.dp.parallel_apply import parallel_apply
+from ddpkit.dp.scatter_gather import gather, scatter
+
+Pair = namedtuple("Pair", ["x", "label"])
+
+
+class Shape(tuple):
+    """A tuple subclass that is not a namedtuple."""
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    extra: Pair
+    total: torch.Tensor = dataclasses.field(init=False)  # derived: not walked, derived again
+
+    def __post_init__(self) -> None:
+        self.total = self.x.sum()
+
+
+def _sample() -> tuple[object, list[torch.Tensor]]:
+    """A value holding every kind of container, and its tensors in the walker's order."""
+    a, b, c, d = (torch.full((6, 2), float(i)) for i in range(4))
+    value = {"batch": Batch(a, Pair(b, "tag")), "ordered": OrderedDict(c=c, n=3),
+             "seq": [Shape((d,)), None, "s"]}
+    return value, [a, b, c, d]
+
+
+def test_tensors_walks_every_container_kind_depth_first_and_skips_non_init_fields():
+    value, expected = _sample()
+    assert [id(t) for t in tensors(value)] == [id(t) for t in expected]
+
+
+def test_map_tensors_keeps_every_container_type_and_derives_non_init_fields_again():
+    value, _ = _sample()
+    doubled = map_tensors(lambda t: t * 2, value)
+    assert type(doubled["ordered"]) is OrderedDict and list(doubled["ordered"]) == ["c", "n"]
+    assert isinstance(doubled["batch"], Batch) and isinstance(doubled["batch"].extra, Pair)
+    assert type(doubled["seq"][0]) is Shape and doubled["seq"][1:] == [None, "s"]
+    torch.testing.assert_close(doubled["batch"].total, value["batch"].x.sum() * 2)
+    torch.testing.assert_close(doubled["seq"][0][0], torch.full((6, 2), 6.0))
+
+
+def test_map_tensors_returns_what_it_did_not_change_as_the_same_object():
+    value, _ = _sample()
+    assert map_tensors(lambda t: t, value) is value
+    changed = map_tensors(lambda t: t if t[0, 0] != 2.0 else t + 1, value)  # only ordered["c"]
+    assert changed is not value and changed["batch"] is value["batch"] and changed["seq"] is value["seq"]
+    noted = Batch(torch.zeros(1), Pair(torch.zeros(1), "t"))
+    noted.note = "set after construction"  # a rebuilt copy would lose it
+    assert map_tensors(lambda t: t, noted) is noted
+
+
+def test_split_and_join_are_inverses_over_every_container_kind():
+    value, _ = _sample()
+    pieces = split(lambda t: t.chunk(3), value, 3)
+    assert len(pieces) == 3 and all(p["ordered"]["n"] == 3 for p in pieces)
+    assert all(p["batch"].total == p["batch"].x.sum() for p in pieces)  # derived from each piece
+    back = join(lambda leaves: torch.cat(leaves) if isinstance(leaves[0], torch.Tensor) else leaves[0], pieces)
+    assert all(torch.equal(x, y) for x, y in zip(tensors(back), tensors(value)))
+    assert type(back["ordered"]) is OrderedDict and type(back["seq"][0]) is Shape
+
+
+def test_split_repeats_empty_containers_and_leaves_by_reference():
+    empty, leaf = [], object()
+    pieces = split(lambda t: t.chunk(2), (empty, leaf, torch.zeros(4)), 2)
+    assert all(p[0] is empty and p[1] is leaf for p in pieces)
+
+
+def test_split_refuses_tensors_that_split_into_different_counts_naming_the_counts():
+    with pytest.raises(UnevenSplit, match=r"different numbers of pieces \[2, 3\]") as info:
+        split(lambda t: t.chunk(3), {"a": torch.zeros(6), "b": torch.zeros(2)}, 3)
+    assert info.value.counts == [2, 3] and len(info.value.values) == 2
+
+
+def test_split_looks_at_each_value_once(monkeypatch):
+    """The count check reuses what splitting learnt: no second walk of each subtree per level."""
+    deep = torch.zeros(4)
+    for _ in range(40):
+        deep = [deep, "leaf"]
+    calls = []
+    real = nested._node
+    monkeypatch.setattr(nested, "_node", lambda obj: calls.append(obj) or real(obj))
+    split(lambda t: t.chunk(2), deep, 2)
+    assert len(calls) == 80  # 40 lists and 40 strings, each once
+
+
+def test_join_refuses_dicts_with_different_keys():
+    with pytest.raises(ValueError, match=r"all objects must be dicts with the same keys, "
+                                         r"but found \[\['a'\], \['b'\]\]"):
+        join(lambda leaves: leaves[0], [{"a": 1}, {"b": 1}])
+
+
+# ---- the walkers built on it agree -------------------------------------------------------------
+def test_ddp_output_search_sees_what_the_walker_sees():
+    value, expected = _sample()
+    assert [id(t) for t in find_tensors(value)] == [id(t) for t in expected]
+    assert [id(t) for t in find_tensors(value, attributes=True)] == [id(t) for t in expected]
+
+
+def test_ddp_input_move_moves_dataclass_and_namedtuple_tensors():
+    value, _ = _sample()
+    moved = to_device(value, torch.device("meta"))
+    assert [t.device.type for t in tensors(moved)] == ["meta"] * 4
+    assert isinstance(moved["batch"], Batch) and moved["batch"].total.device.type == "meta"
+    assert moved["batch"].extra.label == "tag" and type(moved["ordered"]) is OrderedDict
+
+
+def test_scatter_and_gather_split_and_join_what_the_walker_sees():
+    value, expected = _sample()
+    pieces = scatter(value, ["cpu"] * 3)
+    for i, piece in enumerate(pieces):
+        for got, full in zip(tensors(piece), expected):
+            torch.testing.assert_close(got, full.chunk(3)[i])
+    back = gather(pieces, "cpu")
+    for got, full in zip(tensors(back), expected):
+        torch.testing.assert_close(got, full)
+
+
+class _Fails(nn.Module):
+    def forward(self, batch: Batch) -> None:
+        raise RuntimeError("boom")
+
+
+def test_parallel_apply_takes_the_device_of_a_dataclass_inputs_first_tensor():
+    with pytest.raises(RuntimeError, match="replica 0 on device cpu raised RuntimeError: boom"):
+        parallel_apply([_Fails()], [(Batch(torch.zeros(2), Pair(None, "t")),)])
