@@ -66,11 +66,11 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
                 "leave device_ids and output_device as None for CPU or multi-device modules."))
         return params[0].device, None, None
-    device = as_device(device_ids[0], what="device_ids[0]")
+    device = as_device(device_ids[0], what="device_ids[0]", accelerator=types[0])
     if device not in devices:
         raise ValueError(explain(f"device_ids names {device}, but the module's parameters are on "
                                  f"{next(iter(devices))}.", f"move the module there with .to({str(device)!r})."))
-    output = device if output_device is None else as_device(output_device, what="output_device")
+    output = device if output_device is None else as_device(output_device, what="output_device", accelerator=types[0])
     return device, [device.index], output
 
 

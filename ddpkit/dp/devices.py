@@ -14,46 +14,47 @@ __all__ = ["DeviceLike", "as_device", "as_devices", "check_available", "device_i
 
 DeviceLike = Union[int, str, torch.device]
 
-_SUPPORTED = ("cpu", "cuda")
-
-
-def as_device(device: DeviceLike, *, what: str = "device") -> torch.device:
-    """Turn an int (CUDA index, as in torch), a string or a torch.device into a canonical torch.device.
+def as_device(device: DeviceLike, *, what: str = "device", accelerator: str = "cuda") -> torch.device:
+    """Turn an int (an ``accelerator`` index: CUDA, as in torch), a string or a torch.device into a
+    canonical torch.device.
 
     CPU devices lose their index (``cpu:0`` and ``cpu`` are the same memory), and a bare ``"cuda"``
-    means the current CUDA device, as in torch.
+    means the current CUDA device, as in torch. DDP passes the module's device type as
+    ``accelerator``, since torch's DDP reads an int in ``device_ids`` as an index of that type.
 
     Raises:
         TypeError: for anything that is not an int, str or torch.device.
         ValueError: for a negative index, an unparsable string or an unsupported device type.
     """
+    kind = "CUDA" if accelerator == "cuda" else accelerator
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise TypeError(
-            f"{what} must be an int (CUDA index), a str or a torch.device, but found "
-            f"{type(device).__name__} {device!r}. HINT: use e.g. 0, 'cuda:1' or 'cpu'."
+            f"{what} must be an int ({kind} index), a str or a torch.device, but found "
+            f"{type(device).__name__} {device!r}. HINT: use e.g. 0, '{accelerator}:1' or 'cpu'."
         )
     if isinstance(device, int):
         if device < 0:
             raise ValueError(
-                f"{what} must be a non-negative CUDA index, but found {device}. "
+                f"{what} must be a non-negative {kind} index, but found {device}. "
                 "HINT: name the CPU as 'cpu'."
             )
-        return torch.device("cuda", device)
+        return torch.device(accelerator, device)
     try:
         dev = torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"{what} {device!r} is not a device name. HINT: use e.g. 'cuda:1' or 'cpu'.") from e
-    if dev.type not in _SUPPORTED:
+        raise ValueError(f"{what} {device!r} is not a device name. HINT: use e.g. '{accelerator}:1' or 'cpu'.") from e
+    if dev.type not in ("cpu", accelerator):
         raise ValueError(
-            f"{what} must be a CPU or CUDA device, but found {dev}. "
-            "HINT: name a 'cpu' or 'cuda:N' device."
+            f"{what} must be a CPU or {kind} device, but found {dev}. "
+            f"HINT: name a 'cpu' or '{accelerator}:N' device."
         )
     if dev.type == "cpu":
         return torch.device("cpu")
     if dev.index is None:
         # torch reads a bare "cuda" as the current device
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return torch.device("cuda", index)
+        module = getattr(torch, accelerator, None)
+        available = module is not None and module.is_available()
+        return torch.device(accelerator, module.current_device() if available else 0)
     return dev
 
 

@@ -16,9 +16,10 @@ def _params(device: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("device_ids, error, match", [
     (["gpu7"], ValueError, r"device_ids\[0\] 'gpu7' is not a device name"),
-    ([True], TypeError, r"device_ids\[0\] must be an int \(CUDA index\), a str or a torch.device, but found bool"),
-    ([-1], ValueError, r"device_ids\[0\] must be a non-negative CUDA index, but found -1"),
-    ([0], ValueError, r"device_ids names cuda:0, but the module's parameters are on meta"),
+    # as in torch, an int indexes the module's device type (here meta, on a GPU module CUDA)
+    ([True], TypeError, r"device_ids\[0\] must be an int \(meta index\), a str or a torch.device, but found bool"),
+    ([-1], ValueError, r"device_ids\[0\] must be a non-negative meta index, but found -1"),
+    (["cuda:0"], ValueError, r"device_ids\[0\] must be a CPU or meta device, but found cuda:0"),
 ])
 def test_device_ids_are_parsed_like_every_other_device_argument(device_ids, error, match):
     with pytest.raises(error, match=match):
