@@ -1,19 +1,106 @@
 """Which parameters share a bucket, before and after the rebuild: torch's rules, and ddpkit's
 one departure from them (full buckets on CPU), which a comm hook never sees.
 
-Each function returns groups of parameter indices in launch order; ``assign_buckets`` does the
-packing.
+``BucketLayout`` holds a reducer's buckets and rebuilds them once in rank 0's gradient-ready order.
+The group functions return parameter indices in launch order; ``assign_buckets`` does the packing.
 """
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ddpkit.ddp.bucket import assign_buckets
+from ddpkit.ddp.bucket import Bucket, assign_buckets
 
-__all__ = ["initial_groups", "rebuilt_groups"]
+__all__ = ["BucketLayout", "initial_groups", "rebuilt_groups"]
+
+
+class BucketLayout:
+    """A reducer's buckets, in launch order, and where each parameter's gradient goes.
+
+    Args:
+        params: the parameters, in registration order.
+        cap_bytes, first_cap_bytes: bucket sizes (torch's ``bucket_cap_mb`` and small first bucket).
+        as_view: ``gradient_as_bucket_view``: the gradients become views of the buckets.
+        rebuild: the buckets are rebuilt once, in the order gradients really arrived.
+        bucket_type: the class of the buckets built.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
+                 as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket):
+        self.params = list(params)
+        self.cap, self.first_cap = cap_bytes, first_cap_bytes
+        self.as_view = as_view
+        self.bucket_type = bucket_type
+        self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
+        self.rebuilt = not rebuild
+        # the order gradients became ready in, recorded while a rebuild is to come
+        self.record: list[int] | None = None if self.rebuilt else []
+        self.buckets: list[Bucket] = []
+        self.build_initial(hooked=False)
+
+    def build_initial(self, hooked: bool) -> None:
+        """The buckets before the rebuild; ``hooked``: a comm hook sees them, so torch's."""
+        self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked,
+                                  rebuilt_later=self._rebuild_planned))
+
+    def expect_rebuild(self) -> None:
+        """Rebuild after all (static_graph turned on late): record the order from now on."""
+        self.rebuilt, self.record = False, []
+
+    def rebuild_order(self) -> list[int]:
+        """The recorded order; parameters that got no gradient go last, in registration order, as
+        torch appends them."""
+        seen = set(self.record or ())
+        return list(self.record or ()) + [i for i in range(len(self.params)) if i not in seen]
+
+    def rebuild(self, group: Any, hooked: bool) -> None:
+        """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
+        order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
+        dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap, hooked=hooked))
+        self.rebuilt, self.record = True, None
+
+    def build(self, groups: list[list[int]]) -> None:
+        """(Re)create the buckets, in launch order; the last one carries the status flag."""
+        params, last = self.params, len(groups) - 1
+        self.buckets = []  # the old buffers go before the new ones are allocated, as in torch
+        self.buckets = [self.bucket_type(k, [params[i] for i in idx], idx, k == last, extra=int(k == last))
+                        for k, idx in enumerate(groups)]
+        self.bucket_of = [0] * len(params)
+        for b in self.buckets:
+            for i in b.param_indices:
+                self.bucket_of[i] = b.index()
+        self.counts = [len(b.params) for b in self.buckets]
+        # a big gradient is scaled into its slot by its own hook, while still in cache; with
+        # gradient_as_bucket_view it is already there. See Note [Big gradients] in docs/design.md
+        self.big_slot: list[torch.Tensor | None] = [None] * len(params)
+        if self.as_view:  # gradients that exist move into the buckets, as torch does
+            with torch.no_grad():
+                for b in self.buckets:
+                    for p, v in zip(b.params, b.views):
+                        if p.grad is not None and p.grad is not v:
+                            v.copy_(p.grad)
+                            p.grad = v
+        else:
+            for b in self.buckets:
+                for i, v in zip(b.param_indices[: b.num_big], b.views):
+                    self.big_slot[i] = v
+
+    def write_back(self, mask: Sequence[bool] | None) -> None:
+        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
+        for bucket in self.buckets:
+            bucket.write_back(self.as_view, mask)
+
+    def release(self) -> None:
+        """Let go of the gradients written back, and of a hook's stand-in buffer (``set_buffer``,
+        such as an fp16 copy): held until the next backward, they outlived
+        ``zero_grad(set_to_none=True)``, a second set of gradients torch never keeps."""
+        for bucket in self.buckets:
+            bucket.grads = []
+            bucket.restore_buffer()
 
 
 def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
@@ -44,8 +131,8 @@ def _first_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked:
     """torch's small first bucket, except on CPU without a comm hook.
 
     On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
-    launched during backward preempts it (2 ranks on 2 cores: about 5 more involuntary context
-    switches and 1 to 1.5 ms more per step for one more bucket), which the 1 MiB it overlaps does
-    not pay back. So every CPU bucket holds up to the cap; models above it still overlap.
+    launched during backward preempts it, which the 1 MiB it overlaps does not pay back. So every
+    CPU bucket holds up to the cap; models above it still overlap. See Note [Bucket layout on CPU]
+    in docs/design.md.
     """
     return cap if params[0].device.type == "cpu" and not hooked else first_cap

@@ -17,7 +17,8 @@ from ddpkit.errors import (RanksDisagreeError, SecondGradientError, StaticGraphC
                            UnusedParametersError, explain)
 
 __all__ = ["late_gradient_warning", "warn_at_user_code", "second_gradient_error", "static_graph_changed_error",
-           "unused_gradient_error", "ranks_disagree_error", "refused_elsewhere_error"]
+           "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
+           "ranks_disagree_error", "refused_elsewhere_error"]
 
 _DDP = "DistributedDataParallel"
 
@@ -88,6 +89,32 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
         "loss) depends on every parameter; freeze parameters you do not train with "
         "requires_grad_(False) before wrapping the model.", who=_DDP)
     return UnusedParametersError(message, rank=rank, by_rank=by_rank, static_graph=static_graph)
+
+
+def unfinished_backward_error(rank: int) -> RuntimeError:
+    """A synced forward while the previous backward had launched buckets but not finished."""
+    return RuntimeError(explain(
+        "forward() was called while the previous backward() had not finished averaging gradients (it "
+        "raised, or was interrupted), so the ranks may disagree on which buckets were reduced.",
+        "let an error in backward() end the step on every rank instead of catching it and training on.",
+        who=_DDP, rank=rank))
+
+
+def stale_output_error(rank: int, forward: int, latest: int) -> RuntimeError:
+    """Backward reached the output of a forward whose iteration was already averaged."""
+    return RuntimeError(explain(
+        f"backward() reached the output of forward pass {forward}, whose gradients were already "
+        f"averaged, but forward pass {latest} came after it; its gradients would be averaged as if "
+        "they were the new ones.",
+        "call backward() on each forward's loss before the next backward (retain_graph only inside "
+        "no_sync()).", who=_DDP, rank=rank))
+
+
+def late_static_graph_error(rank: int, forwards: int) -> RuntimeError:
+    """``_set_static_graph()`` after a forward: the first iteration's hooks went uncounted."""
+    return RuntimeError(explain(
+        f"_set_static_graph() came after {forwards} forward pass(es); the first iteration must count "
+        "the gradients already.", "pass static_graph=True to the constructor.", who=_DDP, rank=rank))
 
 
 def ranks_disagree_error(rank: int, differing_rank: int, difference: str) -> RanksDisagreeError:

@@ -11,7 +11,7 @@ the collectives an active rank's iteration issues, in the same order:
     bucket rebuild broadcast, once              the same
     buffer broadcast, if due                    the same, from the same source rank
     'sync this backward?' all-reduce (1)        the same (0), and learn the answer
-    bucket all-reduces + tail collective        the same, with zeros (shadow_backward)
+    bucket all-reduces + tail collective        the same, with zeros (Reducer.shadow_backward)
 """
 from __future__ import annotations
 
@@ -22,14 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
-from ddpkit.runtime.comm import all_gather_object
-from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.errors import unused_gradient_error
-
 if TYPE_CHECKING:
     from ddpkit.ddp.distributed import DistributedDataParallel
 
-__all__ = ["DDPJoinHook", "JoinSupport", "shadow_backward"]
+__all__ = ["DDPJoinHook", "JoinSupport"]
 
 
 class JoinSupport(Joinable):
@@ -97,30 +93,8 @@ class DDPJoinHook(JoinHook):
         # the active ranks' next forward syncs buffers only after a synced one, and so must we
         ddp.require_forward_param_sync = should_sync
         if should_sync:
-            shadow_backward(ddp.reducer)
+            ddp.reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank has joined: adopt the model of a rank that trained to the end."""
         self.ddp._sync_final_model(is_last_joiner)
-
-
-def shadow_backward(reducer: Reducer) -> None:
-    """Issue the collectives of one synced backward, in order, with zero gradients."""
-    works, zeros = [], None
-    for bucket in reducer.buckets:
-        zeros = bucket.zeros_like()
-        if reducer.comm_hook is None:
-            works.append(reducer.all_reduce_bucket(zeros))
-        else:
-            works.append(reducer.comm_hook(reducer.comm_state, zeros))
-    tail = reducer.wait_with_tail(lambda: [work.wait() for work in works], False, shadow=True)
-    if tail is not None:
-        tail[1].wait()
-        failed = not reducer._tolerant and int(tail[0].item())
-    else:
-        failed = bool(zeros.flag.item())
-    if failed:  # an active rank lacked gradients: raise with it, naming nothing of ours
-        everyone = all_gather_object((reducer.rank, []), group=reducer.group)
-        raise unused_gradient_error(reducer.rank, everyone, reducer.static_graph)
-    reducer.iterations += 1
-    reducer._reset_iteration()

@@ -583,7 +583,7 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
     """How many earlier bucket buffers are still alive as each rebuilt bucket is allocated."""
     import weakref
 
-    import ddpkit.ddp.reducer
+    from ddpkit.ddp.bucket import Bucket
 
     built: list[weakref.ref] = []
     alive_then: list[int] = []
@@ -591,7 +591,7 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
     def alive() -> int:
         return sum(ref() is not None for ref in built)
 
-    class RecordingBucket(ddpkit.ddp.reducer.Bucket):
+    class RecordingBucket(Bucket):
         def __init__(self, *args, **kwargs):
             if len(built) >= first_count[0]:  # a rebuild: Gloo's worker thread may hold the last
                 deadline = time.monotonic() + 5  # all-reduce's buffer a moment after wait() returned
@@ -601,9 +601,11 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
             super().__init__(*args, **kwargs)
             built.append(weakref.ref(self.flat))
 
+    class RecordingDDP(ddpkit.DDP):
+        _reducer_options = {"bucket_type": RecordingBucket}
+
     first_count = [10**9]  # no waiting while the first buckets are built
-    ddpkit.ddp.reducer.Bucket = RecordingBucket
-    ddp = ddpkit.DDP(_mlp(16, 3), bucket_cap_mb=0.001)
+    ddp = RecordingDDP(_mlp(16, 3), bucket_cap_mb=0.001)
     first = first_count[0] = len(ddp.reducer.buckets)
     for _ in range(2):  # the second forward rebuilds the buckets
         ddp(torch.randn(2, 16)).sum().backward()

@@ -1,0 +1,157 @@
+"""The collectives of one synced backward: one per bucket, in order, then the tail.
+
+A bucket goes out as our all-reduce (a large CPU bucket on Gloo as two halves) or through the
+user's comm hook; the tail collective after the buckets carries the used map
+(find_unused_parameters, static_graph's first iteration) or, when a comm hook hides the status
+flag riding in the last bucket, a flag of its own. A joined rank issues the same ones, with zeros.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.ddp.bucket import Bucket
+from ddpkit.ddp.errors import unused_gradient_error
+from ddpkit.runtime.comm import all_gather_object
+
+__all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]
+
+SPLIT_BUCKET_BYTES = 12 * 1024 * 1024
+"""The default ``split_bytes``: from this size on a bucket's Gloo all-reduce goes as two halves."""
+
+CommHook = Callable[[Any, Bucket], torch.futures.Future]
+
+Tail = tuple[torch.Tensor, Any] | None  # the tail collective: (tensor, work), or none
+
+
+class Collectives:
+    """Launch and wait for the collectives of the buckets over ``group``.
+
+    Args:
+        group: the process group.
+        device: the parameters' device.
+        split_bytes: from this size on a CPU bucket's Gloo all-reduce goes as two halves.
+    """
+
+    def __init__(self, group: Any, device: torch.device, split_bytes: int = SPLIT_BUCKET_BYTES):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        # Gloo carries CPU tensors (also where init_process_group named no backend)
+        backend = dist.get_backend(group)
+        self.split_large = device.type == "cpu" and ("gloo" in backend or backend == "undefined")
+        self.split_bytes = split_bytes
+        self.comm_hook: CommHook | None = None
+        self.comm_state: Any = None
+
+    def set_comm_hook(self, state: Any, hook: CommHook) -> None:
+        if self.comm_hook is not None:
+            raise RuntimeError("register_comm_hook() may be called only once per DistributedDataParallel.")
+        self.comm_hook, self.comm_state = hook, state
+
+    def launch(self, bucket: Bucket) -> Any:
+        """Start reducing ``bucket``: our all-reduce, or the comm hook's future."""
+        if self.comm_hook is None:
+            return self.all_reduce_bucket(bucket)
+        future = self.comm_hook(self.comm_state, bucket)
+        if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
+            raise TypeError(
+                f"DistributedDataParallel on rank {self.rank}: comm hook {_name_of(self.comm_hook)} "
+                f"returned {type(future).__name__} for bucket {bucket.index()}, but must return a "
+                "torch.futures.Future of the reduced bucket. HINT: return e.g. "
+                "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).")
+        return future
+
+    def all_reduce_bucket(self, bucket: Bucket) -> Any:
+        """Start the bucket's all-reduce; a large one on Gloo goes as two concurrent halves.
+
+        Gloo runs each collective on one of its two worker threads; two halves keep both busy
+        (see Note [Gloo halves] in docs/design.md).
+        """
+        flat = bucket.flat
+        if self.split_large and flat.numel() * flat.element_size() >= self.split_bytes:
+            return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])
+        return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def finish(self, works: Sequence[Any], used_map: Callable[[], torch.Tensor] | None, missing: bool,
+               last: Bucket, into: Sequence[Bucket] | None = None) -> tuple[torch.Tensor | None, bool]:
+        """Wait for the buckets' ``works`` and the tail collective; active and joined ranks alike.
+
+        Args:
+            used_map: gives this rank's used map for the tail (None: no used map this iteration).
+            missing: this rank lacked gradients.
+            last: the last bucket launched, whose status flag was all-reduced with it.
+            into: the buckets a comm hook's results go into (none on a joined rank: zeros, dropped).
+
+        Returns:
+            The all-reduced used map (or None), and whether some rank lacked gradients.
+        """
+        tail = self.wait_with_tail(works, used_map, missing, into)
+        if used_map is not None:
+            tail[1].wait()
+            return tail[0], False
+        return None, self._failed(tail, last)
+
+    def raise_missing(self, names: list[str], static_graph: bool) -> None:
+        """Raise on every rank, each naming its parameters that got no gradient."""
+        everyone = all_gather_object((self.rank, names), group=self.group)
+        raise unused_gradient_error(self.rank, everyone, static_graph)
+
+    def wait_with_tail(self, works: Sequence[Any], used_map: Callable[[], torch.Tensor] | None,
+                       missing: bool, into: Sequence[Bucket] | None = None) -> Tail:
+        """Wait for the buckets and launch the tail collective, in the order every rank keeps.
+
+        The tail goes out before the wait, overlapping it; with a comm hook only after, since a
+        hook's futures may issue collectives from their callbacks (torch's PowerSGD does).
+        """
+        if self.comm_hook is None:
+            tail = self._launch_tail(used_map, missing)
+            self._wait(works, into)
+            return tail
+        self._wait(works, into)
+        return self._launch_tail(used_map, missing)
+
+    def _launch_tail(self, used_map: Callable[[], torch.Tensor] | None, missing: bool) -> Tail:
+        """The collective after the buckets: the used map, or a status flag when a comm hook hides ours."""
+        if used_map is not None:
+            used = used_map()  # reduced in place
+            return used, dist.all_reduce(used, group=self.group, async_op=True)
+        if self.comm_hook is not None:
+            status = torch.tensor([int(missing)], dtype=torch.int32)
+            return status, dist.all_reduce(status, group=self.group, async_op=True)
+        return None  # the status flag rides in the last bucket: set it before that bucket launched
+
+    def _wait(self, works: Sequence[Any], into: Sequence[Bucket] | None) -> None:
+        if into is None or self.comm_hook is None:
+            for work in works:
+                work.wait()
+            return
+        name = _name_of(self.comm_hook)
+        for bucket, work in zip(into, works):
+            result = work.wait()
+            if isinstance(result, (list, tuple)) and len(result) == 1:
+                result = result[0]
+            bucket.take_result(result, name)
+
+    def _failed(self, tail: Tail, last: Bucket) -> bool:
+        """Whether some rank lacked gradients: the status flag, all-reduced in ``last`` or the tail."""
+        if tail is not None:
+            tail[1].wait()
+            return bool(int(tail[0].item()))
+        return bool(last.flag.item())  # the gradients' dtype: maybe complex
+
+
+def _name_of(hook: Callable) -> str:
+    return repr(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
+
+
+class _AllWorks:
+    """Several collectives waited on as one."""
+
+    def __init__(self, works: list[Any]):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
