@@ -7,7 +7,7 @@ flag riding in the last bucket, a flag of its own. A joined rank issues the same
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ SPLIT_BUCKET_BYTES = 12 * 1024 * 1024
 
 CommHook = Callable[[Any, Bucket], torch.futures.Future]
 
-Tail = tuple[torch.Tensor, Any] | None  # the tail collective: (tensor, work), or none
+Tail = Optional[tuple[torch.Tensor, Any]]  # the tail collective: (tensor, work), or none
 
 
 class Collectives:
