@@ -97,7 +97,8 @@ class BucketLayout:
     def release(self) -> None:
         """Let go of the gradients written back, and of a hook's stand-in buffer (``set_buffer``,
         such as an fp16 copy): held until the next backward, they outlived
-        ``zero_grad(set_to_none=True)``, a second set of gradients torch never keeps."""
+        ``zero_grad(set_to_none=True)``, a second set of gradients torch never keeps.
+        See Note [Gradient memory] in docs/design.md."""
         for bucket in self.buckets:
             bucket.grads = []
             bucket.restore_buffer()

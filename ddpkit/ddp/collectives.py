@@ -3,7 +3,8 @@
 A bucket goes out as our all-reduce (a large CPU bucket on Gloo as two halves) or through the
 user's comm hook; the tail collective after the buckets carries the used map
 (find_unused_parameters, static_graph's first iteration) or, when a comm hook hides the status
-flag riding in the last bucket, a flag of its own. A joined rank issues the same ones, with zeros.
+flag riding in the last bucket, a flag of its own (see Note [Errors on every rank] in
+docs/design.md). A joined rank issues the same ones, with zeros.
 """
 from __future__ import annotations
 

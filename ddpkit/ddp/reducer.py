@@ -68,7 +68,8 @@ class Reducer:
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
-        # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks
+        # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
+        # see Note [Accumulator hooks] in docs/design.md
         self._accumulators = [gradient_accumulator(p) for p in self.params]
         self._handles = [acc.register_hook(functools.partial(self._on_grad_ready, i))
                          for i, acc in enumerate(self._accumulators)]
@@ -265,8 +266,8 @@ class Reducer:
 
     # ---- a joined rank -------------------------------------------------------------------------
     def shadow_backward(self) -> None:
-        """A joined rank's backward (see ``ddpkit.ddp.join``): the collectives of an active rank's
-        ``finalize_backward``, in order, with zero gradients."""
+        """A joined rank's backward: the collectives of an active rank's ``finalize_backward``, in
+        order, with zero gradients (see Note [Join shadowing] in docs/design.md)."""
         it = self._iteration
         works, zeros = [], None
         for bucket in self.layout.buckets:

@@ -3,6 +3,7 @@
 Kept across iterations: the parameters to mark unused when backward begins, those a ``no_sync``
 step used locally, the used map last all-reduced, the write mask it gives, and static_graph's
 hook counts from its first iteration. None of it needs a process group.
+See Note [Unused parameters] in docs/design.md.
 """
 from __future__ import annotations
 
