@@ -16,19 +16,43 @@ with warnings.catch_warnings():  # torch warns at import when numpy is missing; 
 
 # The parts, one subpackage each: runtime (environment, process group, collectives), dp (DataParallel
 # and its four primitives), ddp (DistributedDataParallel), checkpoint; launch and bench load lazily.
-from ddpkit.runtime import (DistEnv, all_gather, all_gather_object, all_reduce, barrier, broadcast,
-                            broadcast_object, detect, expand_hostlist, get_local_rank, get_rank,
-                            get_world_size, init, is_initialized, is_main_process, reduce_scatter, shutdown)
-from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
-from ddpkit.ddp import DDP, DistributedDataParallel
-from ddpkit import comm, env, hooks
-from ddpkit.parallelize import parallelize
+from ddpkit import comm, env, errors, hooks
 from ddpkit.checkpoint import load, save
+from ddpkit.ddp import DDP, DistributedDataParallel
+from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
+from ddpkit.errors import (
+    CheckpointSaveError,
+    CommHookError,
+    LauncherVariableError,
+    NotInitializedError,
+    RanksDisagreeError,
+    RendezvousError,
+    SecondGradientError,
+    StateDictMismatchError,
+    StaticGraphChangedError,
+    UnusedParametersError,
+)
 from ddpkit.logging import print  # noqa: A004 - rank-0 print is the point
-from ddpkit import errors
-from ddpkit.errors import (CheckpointSaveError, CommHookError, LauncherVariableError, NotInitializedError,
-                           RanksDisagreeError, RendezvousError, SecondGradientError, StateDictMismatchError,
-                           StaticGraphChangedError, UnusedParametersError)
+from ddpkit.parallelize import parallelize
+from ddpkit.runtime import (
+    DistEnv,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    detect,
+    expand_hostlist,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+    is_main_process,
+    reduce_scatter,
+    shutdown,
+)
 
 __version__ = "0.1.0"
 

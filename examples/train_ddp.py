@@ -24,6 +24,10 @@ import os
 import signal
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 import ddpkit  # before torch: it imports torch without the warning a missing numpy would print
 from ddpkit.checkpoint import (
     capture_rng_state,
@@ -32,10 +36,6 @@ from ddpkit.checkpoint import (
     restore_rng_state,
     unwrap_model,
 )
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 IN_FEATURES = 16
 

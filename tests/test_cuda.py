@@ -6,9 +6,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 
 import ddpkit
-from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,15 +10,25 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import rank_env, run_ranks
 from torch import nn
 
 import ddpkit
 from ddpkit.checkpoint import load_state_dict
 from ddpkit.ddp.errors import second_gradient_error, static_graph_changed_error, unused_gradient_error
-from ddpkit.errors import (CheckpointSaveError, CommHookError, LauncherVariableError, NotInitializedError,
-                           RanksDisagreeError, RendezvousError, SecondGradientError, StateDictMismatchError,
-                           StaticGraphChangedError, UnusedParametersError, explain)
-from ranks import rank_env, run_ranks
+from ddpkit.errors import (
+    CheckpointSaveError,
+    CommHookError,
+    LauncherVariableError,
+    NotInitializedError,
+    RanksDisagreeError,
+    RendezvousError,
+    SecondGradientError,
+    StateDictMismatchError,
+    StaticGraphChangedError,
+    UnusedParametersError,
+    explain,
+)
 
 # what each class was raised as before it existed: user code catching that must still catch it
 BASES = {
@@ -159,6 +169,19 @@ def test_a_hook_that_is_not_callable_is_a_comm_hook_error():
     assert (caught.value.rank, caught.value.hook) == (0, "int")
     assert str(caught.value) == "hook must be callable as hook(state, bucket), got int."
 
+
+
+def test_a_hook_result_of_the_wrong_size_is_a_comm_hook_error():
+    from ddpkit.ddp.bucket import Bucket
+
+    bucket = Bucket(2, [torch.nn.Parameter(torch.zeros(4, 4))], [0], is_last=True)
+    with pytest.raises(CommHookError) as caught:
+        bucket.take_result(torch.zeros(3), "'halve'", rank=1)
+    assert (caught.value.rank, caught.value.hook) == (1, "'halve'")
+    assert str(caught.value) == (
+        "comm hook 'halve''s future for bucket 2 holds a tensor of 3 elements, but the bucket has 16 "
+        "elements. HINT: complete the future with the reduced bucket.buffer() (a tensor of the same size), "
+        "as ddpkit.hooks.allreduce_hook does.")
 
 # ---- the job ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("environ, variable, value", [

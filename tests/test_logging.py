@@ -6,10 +6,10 @@ import io
 import logging
 
 import pytest
+from ranks import run_ranks
 
 import ddpkit
 from ddpkit.logging import get_logger, progress
-from ranks import run_ranks
 
 
 def _print_to_file(path: str) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 from torch import nn
 
 import ddpkit
 from ddpkit.parallelize import local_devices, parallelize
-from ranks import run_ranks
 
 
 def _model() -> nn.Module:

@@ -6,7 +6,6 @@ import threading
 
 import psutil
 import pytest
-
 from ranks import RankFailure, run_ranks
 
 

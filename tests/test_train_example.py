@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -129,8 +129,8 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
             "param_bytes": param_bytes,
             "grad_bytes": sum(grads.values()), "bucket_bytes": sum(buckets.values()),
             "accounted_bytes": sum({**grads, **buckets}.values()),
-            "peak_bytes": int(peak), "retained_bytes": int(retained), "peak_kind": "cuda_allocated" if device.type == "cuda"
-            else "rss"}
+            "peak_bytes": int(peak), "retained_bytes": int(retained),
+            "peak_kind": "cuda_allocated" if device.type == "cuda" else "rss"}
 
 
 def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3) -> list[dict]:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from ddpkit.checkpoint.files import latest_checkpoint, load, save
 from ddpkit.checkpoint.rng import capture_rng_state, restore_rng_state
-from ddpkit.checkpoint.state_dict import (PREFIX, load_state_dict, unwrap_model, unwrap_state_dict,
-                                          wrap_state_dict)
+from ddpkit.checkpoint.state_dict import PREFIX, load_state_dict, unwrap_model, unwrap_state_dict, wrap_state_dict
 
 __all__ = ["save", "load", "latest_checkpoint", "unwrap_state_dict", "wrap_state_dict", "load_state_dict",
            "unwrap_model", "capture_rng_state", "restore_rng_state", "PREFIX"]

@@ -1,11 +1,13 @@
 """ddpkit's own DistributedDataParallel: torch's constructor and results, its reducer in Python.
 
-``distributed`` is the module users wrap their model in; ``arguments`` checks what it is given and
-``outputs`` walks what its forward returns; ``reducer`` averages gradients during backward, keeping
-each ``iteration``'s state, the parameters' ``usage`` (find_unused_parameters, static_graph), the
-``bucket``s laid out by ``bucket_layout``, and the ``collectives`` that reduce them; ``join`` shadows
-collectives for ranks out of data; ``hooks`` are the comm hooks; ``errors`` words backward's
-failures; ``autograd_engine`` holds the private autograd calls, each with its reason.
+``distributed`` is the module users wrap their model in: ``arguments`` checks what it is given,
+``outputs`` walks what its forward returns, ``state_sync`` copies rank 0's parameters and buffers.
+The reducer averages gradients during backward: ``reducer`` coordinates (the gradient hook and the
+one wait point), ``iteration`` holds one iteration's state, ``usage`` accounts for unused parameters
+and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook, and
+``bucket_layout`` decides which parameters share a ``bucket``. ``join`` lets ranks out of data
+shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
+``autograd_engine`` holds the private autograd calls, each with its reason.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import torch
 
+from ddpkit.errors import CommHookError, explain
+
 __all__ = ["Bucket", "assign_buckets", "copy_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -208,7 +210,7 @@ class Bucket:
         """``buffer()`` is the bucket's own gradients again (after a hook swapped in another)."""
         self._buffer = self._hook_data
 
-    def take_result(self, result: torch.Tensor, hook_name: str) -> None:
+    def take_result(self, result: torch.Tensor, hook_name: str, rank: int) -> None:
         """Copy a comm hook's result into the bucket's gradients, unless it already is them."""
         own = self._hook_data
         if result is own:
@@ -216,10 +218,10 @@ class Bucket:
         if not isinstance(result, torch.Tensor) or result.numel() != own.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
-            raise RuntimeError(
+            raise CommHookError(explain(
                 f"comm hook {hook_name}'s future for bucket {self._index} holds {got}, but the bucket "
-                f"has {own.numel()} elements. HINT: complete the future with the reduced "
-                "bucket.buffer() (a tensor of the same size), as ddpkit.hooks.allreduce_hook does.")
+                f"has {own.numel()} elements.", "complete the future with the reduced bucket.buffer() (a "
+                "tensor of the same size), as ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
         own.copy_(result.reshape(-1))
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.errors import unused_gradient_error
+from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.comm import all_gather_object
 
 __all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]
@@ -57,11 +58,12 @@ class Collectives:
             return self.all_reduce_bucket(bucket)
         future = self.comm_hook(self.comm_state, bucket)
         if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
-            raise TypeError(
-                f"DistributedDataParallel on rank {self.rank}: comm hook {_name_of(self.comm_hook)} "
-                f"returned {type(future).__name__} for bucket {bucket.index()}, but must return a "
-                "torch.futures.Future of the reduced bucket. HINT: return e.g. "
-                "dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).")
+            name = _name_of(self.comm_hook)
+            raise CommHookError(explain(
+                f"comm hook {name} returned {type(future).__name__} for bucket {bucket.index()}, but must "
+                "return a torch.futures.Future of the reduced bucket.",
+                "return e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).",
+                who="DistributedDataParallel", rank=self.rank), rank=self.rank, hook=name)
         return future
 
     def all_reduce_bucket(self, bucket: Bucket) -> Any:
@@ -133,7 +135,7 @@ class Collectives:
             result = work.wait()
             if isinstance(result, (list, tuple)) and len(result) == 1:
                 result = result[0]
-            bucket.take_result(result, name)
+            bucket.take_result(result, name, self.rank)
 
     def _failed(self, tail: Tail, last: Bucket) -> bool:
         """Whether some rank lacked gradients: the status flag, all-reduced in ``last`` or the tail."""

@@ -17,21 +17,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
+from ddpkit.ddp.arguments import (
+    DEFAULT_BUCKET_CAP_MB,
+    bucket_caps,
+    check_devices,
+    first_difference,
+    refuse_sparse_gradients,
+    refuse_uninitialized,
+)
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
-from ddpkit.runtime.comm import all_gather_object
-from ddpkit.ddp.arguments import (DEFAULT_BUCKET_CAP_MB, bucket_caps, check_devices, first_difference,
-                                   refuse_sparse_gradients, refuse_uninitialized)
-from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.ddp.join import JoinSupport
-from ddpkit.errors import CommHookError, explain
-from ddpkit.runtime.process_group import require_group_when_launched
+from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.reducer import Reducer
+from ddpkit.ddp.state_sync import broadcast_coalesced, default_group
+from ddpkit.errors import CommHookError, explain
+from ddpkit.runtime.comm import all_gather_object
+from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
-
-_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
-
 
 class DistributedDataParallel(nn.Module, JoinSupport):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
@@ -69,7 +73,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self._join_group(_default_group() if process_group is None else process_group)
+        self._join_group(default_group() if process_group is None else process_group)
         if self.process_group is None:  # a world of one, unless a launcher started several ranks
             require_group_when_launched("DistributedDataParallel",
                                         "each rank would train on its own, its gradients never averaged")
@@ -157,7 +161,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
     def _broadcast_states(self, src: int, buffers: bool) -> None:
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
-        _broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+        broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
 
     # ---- torch's private configuration calls, which its own error messages recommend --------
     @staticmethod
@@ -169,7 +173,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction, before the first forward (torch's call)."""
         if self.static_graph:
-            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.")
+            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.", stacklevel=2)
             return
         if self.reducer is not None:
             self.reducer.set_static_graph()
@@ -178,7 +182,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
     def __getstate__(self) -> dict[str, Any]:
         """torch's rule: without the process group and the reducer, which the copy makes anew."""
-        if self.process_group is not _default_group():
+        if self.process_group is not default_group():
             raise RuntimeError(explain(
                 "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
                 "process group (the copy joins the default group).",
@@ -191,7 +195,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """The copy averages its own parameters' gradients over the default group; its comm hook,
         as in torch, is not carried over."""
         super().__setstate__(state)
-        self._join_group(_default_group())
+        self._join_group(default_group())
         self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
 
     # ---- forward -------------------------------------------------------------------------------
@@ -256,7 +260,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
         buffers = self._synced_buffers()
         with preserving_autograd_versions(buffers):
-            _broadcast_coalesced(buffers, src, self.process_group)
+            broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- options -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -283,35 +287,3 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
 
 DDP = DistributedDataParallel
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def _default_group():
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
-    """Broadcast ``tensors`` from group rank ``src`` as a few flat tensors per (device, dtype)."""
-    groups: dict[tuple, list[list[torch.Tensor]]] = {}
-    filled: dict[tuple, int] = {}
-    for t in tensors:
-        key = (t.device, t.dtype)
-        chunks = groups.setdefault(key, [[]])
-        if filled.get(key, 0) > _BROADCAST_CHUNK_BYTES:
-            chunks.append([])
-            filled[key] = 0
-        chunks[-1].append(t)
-        filled[key] = filled.get(key, 0) + t.numel() * t.element_size()
-    receiving = dist.get_rank(group) != src
-    with torch.no_grad():
-        for chunks in groups.values():
-            for chunk in chunks:
-                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-                dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
-                if receiving:
-                    views = torch.split(flat, [t.numel() for t in chunk])
-                    torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
-
-

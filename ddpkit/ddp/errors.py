@@ -13,8 +13,13 @@ from typing import Sequence
 
 import torch
 
-from ddpkit.errors import (RanksDisagreeError, SecondGradientError, StaticGraphChangedError,
-                           UnusedParametersError, explain)
+from ddpkit.errors import (
+    RanksDisagreeError,
+    SecondGradientError,
+    StaticGraphChangedError,
+    UnusedParametersError,
+    explain,
+)
 
 __all__ = ["late_gradient_warning", "warn_at_user_code", "second_gradient_error", "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",

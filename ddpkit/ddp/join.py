@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 if TYPE_CHECKING:
     from ddpkit.ddp.distributed import DistributedDataParallel

@@ -19,14 +19,23 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.ddp.autograd_engine import (gradient_accumulator, outside_backward_python_context,
-                                        queue_end_of_backward_callback)
+from ddpkit.ddp.autograd_engine import (
+    gradient_accumulator,
+    outside_backward_python_context,
+    queue_end_of_backward_callback,
+)
 from ddpkit.ddp.bucket import Bucket, copy_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
-from ddpkit.ddp.errors import (late_gradient_warning, late_static_graph_error, second_gradient_error,
-                               stale_output_error, static_graph_changed_error, unfinished_backward_error,
-                               warn_at_user_code)
+from ddpkit.ddp.errors import (
+    late_gradient_warning,
+    late_static_graph_error,
+    second_gradient_error,
+    stale_output_error,
+    static_graph_changed_error,
+    unfinished_backward_error,
+    warn_at_user_code,
+)
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.usage import ParameterUsage
 

@@ -7,12 +7,13 @@ walker of nested inputs and outputs (DDP's too), ``devices`` parses what names a
 """
 from __future__ import annotations
 
+from ddpkit.dp.data_parallel import DataParallel, data_parallel
+from ddpkit.dp.parallel_apply import parallel_apply
+
 # Imported here, once, as torch.nn.parallel does: the modules share their name with the function
 # they export, and these imports leave each package attribute bound to the function for good.
 from ddpkit.dp.replicate import replicate
 from ddpkit.dp.scatter_gather import gather, scatter, scatter_kwargs
-from ddpkit.dp.parallel_apply import parallel_apply
-from ddpkit.dp.data_parallel import DataParallel, data_parallel
 
 __all__ = ["DataParallel", "data_parallel", "gather", "parallel_apply", "replicate", "scatter",
            "scatter_kwargs"]

@@ -25,7 +25,8 @@ __all__ = ["replicate"]
 M = TypeVar("M", bound=nn.Module)
 
 
-def _torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
+def _torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.device],
+                     detach: bool) -> list[list[torch.Tensor]]:
     """torch's coalesced CUDA broadcast (the private helper torch's own replicate uses).
 
     Only valid for distinct CUDA devices with every tensor on the first one; it is kept because it

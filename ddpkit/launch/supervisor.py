@@ -22,8 +22,7 @@ from ddpkit.launch.rendezvous import Layout, LocalRendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
-from ddpkit.launch.workers import (Placement, Worker, exit_code, kill_leftovers, signal_worker,
-                                   spawn_worker, worker_env)
+from ddpkit.launch.workers import Placement, Worker, exit_code, kill_leftovers, signal_worker, spawn_worker, worker_env
 
 __all__ = ["Outcome", "Supervisor", "run"]
 

@@ -15,8 +15,8 @@ from typing import Iterable, Mapping
 import psutil
 
 from ddpkit.launch.logs import OutputPump
-from ddpkit.logging import TERMINAL_VARIABLE
 from ddpkit.launch.signals import death_signal_preexec
+from ddpkit.logging import TERMINAL_VARIABLE
 
 __all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers",
            "exit_code"]

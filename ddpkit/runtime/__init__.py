@@ -6,11 +6,26 @@ collectives that also work in a world of one. ``ddpkit.env`` and ``ddpkit.comm``
 """
 from __future__ import annotations
 
-from ddpkit.runtime.comm import (all_gather, all_gather_object, all_reduce, barrier, broadcast,
-                                 broadcast_object, reduce_scatter)
+from ddpkit.runtime.comm import (
+                                 all_gather,
+                                 all_gather_object,
+                                 all_reduce,
+                                 barrier,
+                                 broadcast,
+                                 broadcast_object,
+                                 reduce_scatter,
+)
 from ddpkit.runtime.env import DistEnv, detect, expand_hostlist
-from ddpkit.runtime.process_group import (current_env, get_local_rank, get_rank, get_world_size, init,
-                                          is_initialized, is_main_process, shutdown)
+from ddpkit.runtime.process_group import (
+                                 current_env,
+                                 get_local_rank,
+                                 get_rank,
+                                 get_world_size,
+                                 init,
+                                 is_initialized,
+                                 is_main_process,
+                                 shutdown,
+)
 
 __all__ = ["DistEnv", "detect", "expand_hostlist", "init", "shutdown", "current_env", "is_initialized",
            "get_rank", "get_world_size", "get_local_rank", "is_main_process", "all_reduce", "broadcast",

@@ -15,10 +15,9 @@ from datetime import timedelta
 
 import pytest
 import torch
-from torch import nn
-
 from configs import CONFIGS, THREE_RANKS, Config
 from ranks import run_ranks
+from torch import nn
 
 IN = 6
 
@@ -346,8 +345,9 @@ def _compare_worker(configs: list[Config]) -> list[dict]:
     block, whether they finished it. If one did not, the others may have stopped in different
     collectives, so the process group is made afresh before the next configuration.
     """
-    import ddpkit
     import torch.distributed as dist
+
+    import ddpkit
 
     ddpkit.init(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     try:

@@ -11,10 +11,11 @@ import warnings
 
 import pytest
 import torch
+from ranks import run_ranks
 from torch import nn
 
 import ddpkit
-from ranks import run_ranks
+from ddpkit.errors import CommHookError
 
 
 def _mlp(width: int = 8, depth: int = 3) -> nn.Sequential:
@@ -35,7 +36,7 @@ def _error_of(fn) -> str | None:
     try:
         fn()
     except (RuntimeError, TypeError, ValueError) as e:
-        return str(e)
+        return f"{type(e).__name__}: {e}" if isinstance(e, CommHookError) else str(e)
     return None
 
 
@@ -202,6 +203,8 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "averaged, but forward pass 2" in out["older_graph"]
         assert "previous backward() had not finished" in out["after_failed_backward"]
         assert out["failed_before_any_gradient"] is True
+        assert out["hook_returns_tensor"].startswith("CommHookError: ")  # a TypeError too
+        assert out["hook_wrong_size"].startswith("CommHookError: ")  # a RuntimeError too
         assert f"rank {rank}: comm hook '_misuse_worker.<locals>.hook_returning.<locals>.<lambda>' " \
                "returned Tensor for bucket 0, but must return a torch.futures.Future" in out["hook_returns_tensor"]
         assert "for bucket 0 holds a tensor of 3 elements, but the bucket has 216 elements" in out["hook_wrong_size"]

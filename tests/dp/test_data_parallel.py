@@ -272,7 +272,8 @@ def test_without_cuda_gpu_device_ids_are_ignored_as_torch_does():
 
 def test_a_parameter_on_another_device_is_named():
     model = nn.Sequential(nn.Linear(5, 2), nn.Linear(2, 2, device="meta"))
-    with pytest.raises(RuntimeError, match=r"device cpu \(device_ids\[0\]\) but found parameter '1.weight' on device meta"):
+    expected = r"device cpu \(device_ids\[0\]\) but found parameter '1.weight' on device meta"
+    with pytest.raises(RuntimeError, match=expected):
         DataParallel(model, device_ids=["cpu"] * 2)(torch.randn(4, 5))
 
 

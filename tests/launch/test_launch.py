@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ranks import kill_tree
 
 from ddpkit.launch.config import parse_args
 from ddpkit.launch.signals import SignalInbox
@@ -26,7 +27,6 @@ from ddpkit.launch.supervisor import Supervisor
 from ddpkit.launch.watchdog import _SCAN_EVERY as _WATCHDOG_SCAN
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, _processes, marked
 from ddpkit.launch.workers import Placement, spawn_worker
-from ranks import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "scripts" / "launch_worker.py")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ddpkit.launch.cli import main
-from ddpkit.launch.logs import _Console
 from ddpkit.launch.config import parse_args
+from ddpkit.launch.logs import _Console
 from ddpkit.launch.summary import describe_exit, traceback_tail
 from ddpkit.launch.workers import Placement, worker_env
 

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import RankFailure, run_ranks
 
 import ddpkit
-from ranks import RankFailure, run_ranks
 
 
 def test_collectives_without_any_process_group_act_as_a_world_of_one():

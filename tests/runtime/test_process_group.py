@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import rank_env, run_ranks
 
 import ddpkit
-from ranks import rank_env, run_ranks
 
 
 @pytest.fixture

@@ -9,8 +9,14 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
-from ddpkit.runtime.environments.variables import (check_one_node, check_rank, read_int, read_master_port,
-                                                   read_optional_int, refuse)
+from ddpkit.runtime.environments.variables import (
+    check_one_node,
+    check_rank,
+    read_int,
+    read_master_port,
+    read_optional_int,
+    refuse,
+)
 
 __all__ = ["from_mpi"]
 
@@ -25,11 +31,10 @@ _MPI_FLAVOURS = (
 
 
 def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
-    for rank_name, size_name, local_rank_name, local_size_name in _MPI_FLAVOURS:
-        if rank_name in environ:
-            break
-    else:
+    flavour = next((names for names in _MPI_FLAVOURS if names[0] in environ), None)
+    if flavour is None:
         return None
+    rank_name, size_name, local_rank_name, local_size_name = flavour
     if size_name not in environ:
         raise refuse(size_name, None, f"{rank_name}={environ[rank_name]!r} is set but {size_name} is not.",
                      "start the job with mpirun/mpiexec, which sets both.")

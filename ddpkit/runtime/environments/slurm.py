@@ -13,8 +13,15 @@ from typing import Mapping
 from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.runtime.environments.hostlist import expand_hostlist, expand_tasks_per_node
-from ddpkit.runtime.environments.variables import (check_one_node, check_rank, first_set, read_int,
-                                                   read_master_port, read_optional_int, refuse)
+from ddpkit.runtime.environments.variables import (
+    check_one_node,
+    check_rank,
+    first_set,
+    read_int,
+    read_master_port,
+    read_optional_int,
+    refuse,
+)
 
 __all__ = ["from_slurm"]
 

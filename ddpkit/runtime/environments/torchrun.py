@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, DistEnv
-from ddpkit.runtime.environments.variables import (check_rank, read_int, read_master_port, read_optional_int,
-                                                   refuse)
+from ddpkit.runtime.environments.variables import check_rank, read_int, read_master_port, read_optional_int, refuse
 
 __all__ = ["from_torchrun"]
 
