@@ -88,15 +88,6 @@ class Reducer:
         """The buckets, in launch order."""
         return self.layout.buckets
 
-    @property
-    def split_bytes(self) -> int:
-        """From this size on a CPU bucket's Gloo all-reduce goes as two halves; may be set."""
-        return self.collectives.split_bytes
-
-    @split_bytes.setter
-    def split_bytes(self, value: int) -> None:
-        self.collectives.split_bytes = value
-
     # ---- configuration -------------------------------------------------------------------------
     def rebuild_buckets_if_due(self) -> bool:
         """After the first synced backward, rebuild once in rank 0's gradient-ready order (a broadcast:

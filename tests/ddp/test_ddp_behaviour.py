@@ -319,7 +319,7 @@ def _properties_worker() -> dict:
 
     # on Gloo a large bucket's all-reduce goes as two halves
     events.clear()
-    ddp.reducer.split_bytes = 256 * 257 * 4 + 1
+    ddp.reducer.collectives.split_bytes = 256 * 257 * 4 + 1
     dist.all_reduce = recording_all_reduce
     try:
         ddp(torch.randn(4, 256)).sum().backward()

@@ -56,7 +56,7 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
                          f"{rank_name}={rank} in a job of {size_name}={world_size} over several nodes, "
                          "but MASTER_ADDR is not set.",
                          "pass it to every rank, e.g. 'mpirun -x MASTER_ADDR=<host of rank 0> "
-                         "-x MASTER_PORT=29500 ...'.")
+                         f"-x MASTER_PORT={DEFAULT_MASTER_PORT} ...'.")
         master_addr = LOOPBACK  # every rank is on this node
     master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,

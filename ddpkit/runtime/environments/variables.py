@@ -11,6 +11,7 @@ import re
 from typing import Mapping
 
 from ddpkit.errors import LauncherVariableError, explain
+from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 
 __all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "check_one_node",
            "read_master_port", "refuse"]
@@ -69,7 +70,7 @@ def check_one_node(rank_name: str, rank: int, local_name: str, local_rank: int,
 def read_master_port(environ: Mapping[str, str], default: int) -> int:
     if "MASTER_PORT" not in environ:
         return default
-    hint = "set MASTER_PORT to a free TCP port in [1, 65535] on the host of rank 0, e.g. 29500."
+    hint = f"set MASTER_PORT to a free TCP port in [1, 65535] on the host of rank 0, e.g. {DEFAULT_MASTER_PORT}."
     port = read_int(environ, "MASTER_PORT", minimum=1, hint=hint)
     if port > 65535:
         raise refuse("MASTER_PORT", environ["MASTER_PORT"],
