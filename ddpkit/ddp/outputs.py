@@ -15,13 +15,13 @@ __all__ = ["find_tensors", "to_device", "unreached_parameters"]
 
 def find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
     """Every tensor in a (nested) output, as ``ddpkit.dp.nested`` walks it (tensors, tuples, lists,
-    dicts, namedtuples, dataclasses' init fields); with ``attributes``, when ``obj`` itself is a
-    plain object, those its attributes hold (one level: no cycles to follow)."""
+    dicts, namedtuples, dataclasses: every field, as torch's DDP reads them); with ``attributes``,
+    when ``obj`` itself is a plain object, those its attributes hold (one level: no cycles to follow)."""
     if attributes and _is_plain_object(obj):
         for value in vars(obj).values():
-            yield from tensors(value)
+            yield from tensors(value, every_field=True)
     else:
-        yield from tensors(obj)
+        yield from tensors(obj, every_field=True)
 
 
 def _is_plain_object(obj: Any) -> bool:

@@ -6,8 +6,9 @@ What counts as a container, and how it is rebuilt, is decided here once:
 * dicts, by value, rebuilt as ``type(obj)(pairs)`` so an OrderedDict stays one;
 * dataclass instances, through their *init* fields, rebuilt with ``dataclasses.replace``. Fields
   declared ``init=False`` are state the dataclass derives itself (in ``__post_init__``): they are not
-  visited, and a rebuilt copy derives them again from its new init fields. torch's DDP also reads
-  non-init fields when it looks for output tensors; ddpkit reads the same fields everywhere.
+  visited, and a rebuilt copy derives them again from its new init fields. Only a search that
+  rebuilds nothing reads them too, ``tensors(obj, every_field=True)``: torch's DDP looks for output
+  tensors there, and a module may set such a field (an auxiliary head's output) itself.
 
 Anything else (None, numbers, strings, modules, plain objects) is a leaf, as is a tensor. An empty
 container holds nothing to walk: ``split`` hands the same object to every piece, as torch's scatter
@@ -59,15 +60,19 @@ def _node(obj: Any) -> _Node | None:
     return None
 
 
-def tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj``, depth first, in the order of the containers' values."""
+def tensors(obj: Any, *, every_field: bool = False) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``, depth first, in the order of the containers' values; with
+    ``every_field``, a dataclass's non-init fields too (those not set yet are skipped)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return
-    node = _node(obj)
-    if node is not None:
-        for value in node.values:
-            yield from tensors(value)
+    if every_field and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
+    else:
+        node = _node(obj)
+        values = () if node is None else node.values
+    for value in values:
+        yield from tensors(value, every_field=every_field)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

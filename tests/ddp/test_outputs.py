@@ -101,3 +101,52 @@ def test_ddp_averages_gradients_reached_through_a_dataclass_and_namedtuple_outpu
     for out in run_ranks(_dataclass_output_worker, 2, timeout=45):
         for got, want in zip(out["grads"], out["reference"]):
             torch.testing.assert_close(got, want)
+
+
+@dataclasses.dataclass
+class WithAux:
+    """An output whose ``aux`` head is set after construction: a field outside ``__init__``."""
+
+    logits: torch.Tensor
+    aux: torch.Tensor = dataclasses.field(init=False)
+
+
+def test_find_tensors_reads_every_dataclass_field_as_torch_does():
+    from torch.nn.parallel.distributed import _find_tensors
+
+    out = WithAux(torch.zeros(1))
+    out.aux = torch.ones(1)
+    assert [id(t) for t in find_tensors(out)] == [id(t) for t in _find_tensors(out)]
+
+
+class _AuxHead(nn.Module):
+    """``aux`` is reached only through the output's non-init field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.aux = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> WithAux:
+        out = WithAux(self.main(x))
+        out.aux = self.aux(x)
+        return out
+
+
+def _non_init_field_worker() -> dict[str, list[torch.Tensor]]:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    grads = {}
+    for name, wrap in (("ddpkit", ddpkit.DistributedDataParallel), ("torch", TorchDDP)):
+        torch.manual_seed(0)
+        model = wrap(_AuxHead(), find_unused_parameters=True)
+        out = model(torch.full((3, 4), float(ddpkit.get_rank() + 1)))
+        (out.logits.square().sum() + out.aux.sum()).backward()
+        grads[name] = [p.grad for p in model.parameters()]
+    return grads
+
+
+@pytest.mark.timeout(60)
+def test_ddp_averages_gradients_reached_through_a_non_init_dataclass_field_as_torch():
+    for out in run_ranks(_non_init_field_worker, 2, timeout=45):
+        for got, want in zip(out["ddpkit"], out["torch"]):
+            torch.testing.assert_close(got, want)

@@ -1,5 +1,6 @@
 """The one walker of nested values, and the agreement of everything built on it: scatter, gather,
-parallel_apply's device choice and DDP's output search and input move see the same tensors."""
+parallel_apply's device choice and DDP's output search and input move see the same tensors (the
+output search also those in a dataclass's non-init fields, as torch's DDP)."""
 from __future__ import annotations
 
 import dataclasses
@@ -106,10 +107,15 @@ def test_join_refuses_dicts_with_different_keys():
 
 
 # ---- the walkers built on it agree -------------------------------------------------------------
-def test_ddp_output_search_sees_what_the_walker_sees():
+def test_ddp_output_search_sees_what_torchs_sees_non_init_fields_too():
+    from torch.nn.parallel.distributed import _find_tensors
+
     value, expected = _sample()
-    assert [id(t) for t in find_tensors(value)] == [id(t) for t in expected]
-    assert [id(t) for t in find_tensors(value, attributes=True)] == [id(t) for t in expected]
+    batch = value["batch"]
+    with_derived = [expected[0], expected[1], batch.total, *expected[2:]]  # torch reads every field
+    assert [id(t) for t in _find_tensors(value)] == [id(t) for t in with_derived]
+    assert [id(t) for t in find_tensors(value)] == [id(t) for t in with_derived]
+    assert [id(t) for t in find_tensors(value, attributes=True)] == [id(t) for t in with_derived]
 
 
 def test_ddp_input_move_moves_dataclass_and_namedtuple_tensors():
