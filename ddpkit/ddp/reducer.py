@@ -281,10 +281,13 @@ class Reducer:
 
     # ---- iterations ----------------------------------------------------------------------------
     def _end_iteration(self, it: Iteration, phase: Phase, counted: bool = True) -> None:
-        """``counted``: a synced backward finished (else it was abandoned); go on in ``phase``."""
+        """``counted``: a synced backward finished (else it was abandoned, and the order its gradients
+        arrived in is forgotten: the rebuild follows a whole iteration); go on in ``phase``."""
         self.usage.end_iteration(counted, it.counting)
         if counted:
             self.iterations += 1
+        elif it.record:
+            it.record.clear()
         self._renew(phase)
 
     def _renew(self, phase: Phase | None = None) -> None:

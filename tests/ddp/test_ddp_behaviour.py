@@ -685,3 +685,42 @@ def test_something_other_than_a_module_is_refused():
 def test_a_module_without_trainable_parameters_is_refused():
     with pytest.raises(RuntimeError, match="doesn't have any parameter that requires a gradient"):
         ddpkit.DDP(_mlp().requires_grad_(False))
+
+
+def _after_abandoned_first_iteration_worker() -> dict[str, list]:
+    """A first backward fails on every rank after some hooks recorded their gradient's arrival (in one
+    bucket: nothing launched), the next forward says so; training then goes on, through the rebuild."""
+    rank = ddpkit.get_rank()
+    torch.manual_seed(0)
+    model = _mlp(8, 3)
+
+    def fail(p: torch.Tensor) -> None:
+        raise KeyError("user hook")
+
+    ddp = ddpkit.DistributedDataParallel(model)
+    handle = model[0].weight.register_post_accumulate_grad_hook(fail)
+    with pytest.raises(KeyError):
+        ddp(torch.ones(2, 8)).sum().backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match="previous backward"):
+        ddp(torch.ones(2, 8))
+    got, want = [], []
+    for step in range(3):  # the first completes iteration 0, the second rebuilds the buckets
+        xs = [torch.full((2, 8), float(r + step + 1)) for r in range(ddpkit.get_world_size())]
+        average = [torch.zeros_like(p) for p in model.parameters()]
+        for x in xs:  # the average over ranks, computed here on one process
+            grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+            average = [a + g / len(xs) for a, g in zip(average, grads)]
+        model.zero_grad()
+        ddp(xs[rank]).square().sum().backward()
+        got.append([p.grad.clone() for p in model.parameters()])
+        want.append(average)
+    return {"got": got, "want": want}
+
+
+@pytest.mark.timeout(60)
+def test_training_goes_on_after_an_abandoned_first_iteration_and_rebuilds_in_the_real_order():
+    for out in run_ranks(_after_abandoned_first_iteration_worker, 2, timeout=45):
+        for got, want in zip(out["got"], out["want"]):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
