@@ -8,6 +8,7 @@ docs/design.md). A joined rank issues the same ones, with zeros.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -76,6 +77,13 @@ class Collectives:
         if self.split_large and flat.numel() * flat.element_size() >= self.split_bytes:
             return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])
         return dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def drain(self, works: Sequence[Any]) -> None:
+        """Let the collectives of an abandoned backward finish: they write into the buckets, which the
+        next backward fills again. What they report is no news any more: the backward failed."""
+        for work in works:
+            with contextlib.suppress(Exception):
+                work.wait()
 
     def finish(self, works: Sequence[Any], used_map: Callable[[], torch.Tensor] | None, missing: bool,
                last: Bucket, into: Sequence[Bucket] | None = None) -> tuple[torch.Tensor | None, bool]:

@@ -121,7 +121,8 @@ class Reducer:
     def prepare_for_forward(self) -> None:
         """Called before a synced forward: a backward that began must have finished."""
         it = self._iteration
-        if it.phase is Phase.REDUCING:
+        if it.phase is Phase.REDUCING:  # its collectives finish before the buckets fill again
+            self.collectives.drain(it.works)
             self._end_iteration(it, Phase.IDLE, counted=False)
             raise unfinished_backward_error(self.rank)
         # a backward that reached no parameter, or failed before one did: nothing launched, and a

@@ -724,3 +724,37 @@ def test_training_goes_on_after_an_abandoned_first_iteration_and_rebuilds_in_the
         for got, want in zip(out["got"], out["want"]):
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w)
+
+
+def _after_abandoned_launches_worker() -> list[list[torch.Tensor]]:
+    """A backward fails on every rank after its last layers' buckets were launched; the next synced
+    backward must average its own gradients, not what those collectives leave in the buckets."""
+    rank = ddpkit.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2))
+
+    def fail(p: torch.Tensor) -> None:
+        raise KeyError("user hook")
+
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.001)  # a bucket per parameter or two
+    handle = model[0].weight.register_post_accumulate_grad_hook(fail)
+    with pytest.raises(KeyError):
+        ddp(torch.ones(3, 4)).sum().backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match="previous backward"):
+        ddp(torch.ones(3, 4))
+    xs = [torch.full((3, 4), float(r + 1)) for r in range(ddpkit.get_world_size())]
+    model.zero_grad()
+    ddp(xs[rank]).sum().backward()  # at once: the failed backward's collectives may still be running
+    average = [torch.zeros_like(p) for p in model.parameters()]
+    for x in xs:
+        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        average = [a + g / len(xs) for a, g in zip(average, grads)]
+    return [[p.grad for p in model.parameters()], average]
+
+
+@pytest.mark.timeout(60)
+def test_the_step_after_an_abandoned_backward_averages_its_own_gradients():
+    for got, want in run_ranks(_after_abandoned_launches_worker, 2, timeout=45):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
