@@ -687,70 +687,60 @@ def test_a_module_without_trainable_parameters_is_refused():
         ddpkit.DDP(_mlp().requires_grad_(False))
 
 
-def _after_abandoned_first_iteration_worker() -> dict[str, list]:
-    """A first backward fails on every rank after some hooks recorded their gradient's arrival (in one
-    bucket: nothing launched), the next forward says so; training then goes on, through the rebuild."""
-    rank = ddpkit.get_rank()
-    torch.manual_seed(0)
-    model = _mlp(8, 3)
-
+def _fail_a_backward(ddp: nn.Module, x: torch.Tensor) -> None:
+    """Backward fails on every rank at the first layer's weight, after the later layers' hooks ran;
+    the next forward says so."""
     def fail(p: torch.Tensor) -> None:
         raise KeyError("user hook")
 
-    ddp = ddpkit.DistributedDataParallel(model)
-    handle = model[0].weight.register_post_accumulate_grad_hook(fail)
+    handle = ddp.module[0].weight.register_post_accumulate_grad_hook(fail)
     with pytest.raises(KeyError):
-        ddp(torch.ones(2, 8)).sum().backward()
+        ddp(x).sum().backward()
     handle.remove()
     with pytest.raises(RuntimeError, match="previous backward"):
-        ddp(torch.ones(2, 8))
-    got, want = [], []
-    for step in range(3):  # the first completes iteration 0, the second rebuilds the buckets
-        xs = [torch.full((2, 8), float(r + step + 1)) for r in range(ddpkit.get_world_size())]
-        average = [torch.zeros_like(p) for p in model.parameters()]
-        for x in xs:  # the average over ranks, computed here on one process
-            grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
-            average = [a + g / len(xs) for a, g in zip(average, grads)]
-        model.zero_grad()
-        ddp(xs[rank]).square().sum().backward()
-        got.append([p.grad.clone() for p in model.parameters()])
-        want.append(average)
-    return {"got": got, "want": want}
+        ddp(x)
+
+
+def _averaged_and_average(ddp: nn.Module, xs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """One synced step on this rank's ``xs``, at once; then the average over ranks, computed here."""
+    model = ddp.module
+    model.zero_grad()
+    ddp(xs[ddpkit.get_rank()]).square().sum().backward()
+    average = [torch.zeros_like(p) for p in model.parameters()]
+    for x in xs:
+        grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        average = [a + g / len(xs) for a, g in zip(average, grads)]
+    return [[p.grad.clone() for p in model.parameters()], average]
+
+
+def _after_abandoned_first_iteration_worker() -> list[list[list[torch.Tensor]]]:
+    """Some hooks recorded their gradient's arrival (in one bucket: nothing launched) before the
+    failure; training then goes on, through the rebuild."""
+    torch.manual_seed(0)
+    ddp = ddpkit.DistributedDataParallel(_mlp(8, 3))
+    _fail_a_backward(ddp, torch.ones(2, 8))
+    world = ddpkit.get_world_size()
+    # the first step completes iteration 0, the second rebuilds the buckets
+    return [_averaged_and_average(ddp, [torch.full((2, 8), float(r + step + 1)) for r in range(world)])
+            for step in range(3)]
 
 
 @pytest.mark.timeout(60)
 def test_training_goes_on_after_an_abandoned_first_iteration_and_rebuilds_in_the_real_order():
-    for out in run_ranks(_after_abandoned_first_iteration_worker, 2, timeout=45):
-        for got, want in zip(out["got"], out["want"]):
+    for steps in run_ranks(_after_abandoned_first_iteration_worker, 2, timeout=45):
+        for got, want in steps:
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w)
 
 
 def _after_abandoned_launches_worker() -> list[list[torch.Tensor]]:
-    """A backward fails on every rank after its last layers' buckets were launched; the next synced
-    backward must average its own gradients, not what those collectives leave in the buckets."""
-    rank = ddpkit.get_rank()
+    """The later layers' buckets were launched before the failure; the next synced backward must
+    average its own gradients, not what those collectives leave in the buckets when they finish."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 2))
-
-    def fail(p: torch.Tensor) -> None:
-        raise KeyError("user hook")
-
     ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.001)  # a bucket per parameter or two
-    handle = model[0].weight.register_post_accumulate_grad_hook(fail)
-    with pytest.raises(KeyError):
-        ddp(torch.ones(3, 4)).sum().backward()
-    handle.remove()
-    with pytest.raises(RuntimeError, match="previous backward"):
-        ddp(torch.ones(3, 4))
-    xs = [torch.full((3, 4), float(r + 1)) for r in range(ddpkit.get_world_size())]
-    model.zero_grad()
-    ddp(xs[rank]).sum().backward()  # at once: the failed backward's collectives may still be running
-    average = [torch.zeros_like(p) for p in model.parameters()]
-    for x in xs:
-        grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-        average = [a + g / len(xs) for a, g in zip(average, grads)]
-    return [[p.grad for p in model.parameters()], average]
+    _fail_a_backward(ddp, torch.ones(3, 4))
+    return _averaged_and_average(ddp, [torch.full((3, 4), float(r + 1)) for r in range(ddpkit.get_world_size())])
 
 
 @pytest.mark.timeout(60)
