@@ -7,11 +7,14 @@ one wait point), ``iteration`` holds one iteration's state, ``usage`` accounts f
 and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook, and
 ``bucket_layout`` decides which parameters share a ``bucket``. ``join`` lets ranks out of data
 shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
-``autograd_engine`` holds the private autograd calls, each with its reason.
+``autograd_engine`` holds the private autograd calls, each with its reason. ``checkpoint_keys``
+gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here.
 """
 from __future__ import annotations
 
-from ddpkit.ddp import hooks
+from ddpkit.ddp import checkpoint_keys, hooks
 from ddpkit.ddp.distributed import DDP, DistributedDataParallel
+
+checkpoint_keys.install()
 
 __all__ = ["DDP", "DistributedDataParallel", "hooks"]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.bucket import Bucket, assign_buckets
+from ddpkit.ddp.profiling import bucket_range
 
 __all__ = ["BucketLayout", "initial_groups", "rebuilt_groups"]
 
@@ -92,7 +93,8 @@ class BucketLayout:
     def write_back(self, mask: Sequence[bool] | None) -> None:
         """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
         for bucket in self.buckets:
-            bucket.write_back(self.as_view, mask)
+            with bucket_range(bucket, "write_back"):
+                bucket.write_back(self.as_view, mask)
 
     def release(self) -> None:
         """Let go of the gradients written back, and of a hook's stand-in buffer (``set_buffer``,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.errors import unused_gradient_error
+from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.comm import all_gather_object
 
@@ -56,8 +57,10 @@ class Collectives:
     def launch(self, bucket: Bucket) -> Any:
         """Start reducing ``bucket``: our all-reduce, or the comm hook's future."""
         if self.comm_hook is None:
-            return self.all_reduce_bucket(bucket)
-        future = self.comm_hook(self.comm_state, bucket)
+            with bucket_range(bucket, "all_reduce"):
+                return self.all_reduce_bucket(bucket)
+        with bucket_range(bucket, "comm_hook"):
+            future = self.comm_hook(self.comm_state, bucket)
         if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
             name = _name_of(self.comm_hook)
             raise CommHookError(explain(

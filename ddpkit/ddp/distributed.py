@@ -29,6 +29,7 @@ from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, default_group
 from ddpkit.errors import CommHookError, explain
@@ -200,9 +201,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs = self._pre_forward(inputs, kwargs)
-        output = self.module(*inputs, **kwargs)
-        return self._post_forward(output)
+        with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
+            inputs, kwargs = self._pre_forward(inputs, kwargs)
+            output = self.module(*inputs, **kwargs)
+            return self._post_forward(output)
 
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:

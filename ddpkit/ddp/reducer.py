@@ -37,6 +37,7 @@ from ddpkit.ddp.errors import (
     warn_at_user_code,
 )
 from ddpkit.ddp.iteration import Iteration, Phase
+from ddpkit.ddp.profiling import bucket_range, profiled
 from ddpkit.ddp.usage import ParameterUsage
 
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
@@ -222,7 +223,8 @@ class Reducer:
             it.scale = 1.0 / max(1, int(self._join_work.result()[0].item()))
             self._join_work = None
         # multiplied by the scale on their way in, unless a comm hook averages them
-        bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
+        with bucket_range(bucket, "fill"):
+            bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
         with outside_backward_python_context():
             it.works.append(self.collectives.launch(bucket))
 
@@ -240,8 +242,9 @@ class Reducer:
             try:
                 missing = self._launch_remaining(it)
                 used_map = functools.partial(self.usage.used_map, it.used) if it.tolerant else None
-                reduced, failed = self.collectives.finish(it.works, used_map, bool(missing), buckets[-1],
-                                                          into=buckets)
+                with profiled("ddpkit.finalize_backward.wait"):
+                    reduced, failed = self.collectives.finish(it.works, used_map, bool(missing), buckets[-1],
+                                                              into=buckets)
                 if reduced is not None:  # which parameters no rank used: their .grad is left alone
                     self.usage.settle(reduced, it.used)
                 elif failed:  # some rank lacked gradients: raise on every rank
