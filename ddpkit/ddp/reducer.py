@@ -42,8 +42,7 @@ from ddpkit.ddp.usage import ParameterUsage
 
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
 
-# the hot path compares with these module globals: Phase.REDUCING, looked up on the enum class each
-# time, would cost several times as much
+# module globals for the hot path: Phase.REDUCING, looked up on the enum class each time, costs several times more
 _IDLE, _REDUCING, _FINALIZED = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED
 
 
@@ -69,8 +68,7 @@ class Reducer:
         self.collectives = Collectives(process_group, self.params[0].device, split_bytes)
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
                                     static_graph=static_graph)
-        # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
-        # change from one iteration to the next (find_unused_parameters without static_graph).
+        # rebuilt once in arrival order, as torch; not where that order may change (find_unused, no static_graph)
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph),
                                    bucket_type=bucket_type)
@@ -285,12 +283,11 @@ class Reducer:
 
     # ---- iterations ----------------------------------------------------------------------------
     def _end_iteration(self, it: Iteration, phase: Phase, counted: bool = True) -> None:
-        """``counted``: a synced backward finished (else it was abandoned, and the order its gradients
-        arrived in is forgotten: the rebuild follows a whole iteration); go on in ``phase``."""
+        """``counted``: a synced backward finished (else it was abandoned); go on in ``phase``."""
         self.usage.end_iteration(counted, it.counting)
         if counted:
             self.iterations += 1
-        elif it.record:
+        elif it.record:  # its arrivals are forgotten: the rebuild follows one whole backward
             it.record.clear()
         self._renew(phase)
 
