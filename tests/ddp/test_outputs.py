@@ -115,8 +115,10 @@ def test_find_tensors_reads_every_dataclass_field_as_torch_does():
     from torch.nn.parallel.distributed import _find_tensors
 
     out = WithAux(torch.zeros(1))
+    unset = [id(t) for t in find_tensors(out)]  # torch's raises AttributeError on a field not set yet
     out.aux = torch.ones(1)
     assert [id(t) for t in find_tensors(out)] == [id(t) for t in _find_tensors(out)]
+    assert unset == [id(out.logits)]
 
 
 class _AuxHead(nn.Module):
