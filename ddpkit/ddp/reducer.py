@@ -57,7 +57,8 @@ class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket):
+                 split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
+                 cap_list: Sequence[int] = (), skip_unused: bool = False):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -72,7 +73,8 @@ class Reducer:
         # change from one iteration to the next (find_unused_parameters without static_graph).
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph),
-                                   bucket_type=bucket_type)
+                                   bucket_type=bucket_type, cap_list=cap_list)
+        self.skip_unused = skip_unused and find_unused_parameters
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
@@ -222,8 +224,10 @@ class Reducer:
             self._join_work = None
         # multiplied by the scale on their way in, unless a comm hook averages them
         bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
+        # skip_all_reduce_unused_params: a bucket no rank used (the caller's promise) is not all-reduced
+        skip = self.skip_unused and not any(it.used[i] for i in bucket.param_indices)
         with outside_backward_python_context():
-            it.works.append(self.collectives.launch(bucket))
+            it.works.append(self.collectives.skipped(bucket) if skip else self.collectives.launch(bucket))
 
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:
