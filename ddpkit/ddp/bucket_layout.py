@@ -27,13 +27,16 @@ class BucketLayout:
         rebuild: the buckets are rebuilt once, in the order gradients really arrived.
         bucket_type: the class of the buckets built.
         cap_list: torch's ``bucket_cap_mb_list`` in bytes (the k-th bucket's cap), or empty.
+        like_torch: torch's layout even without a comm hook (skip_all_reduce_unused_params skips
+            the buckets torch would).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
-                 as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = ()):
+                 as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
+                 like_torch: bool = False):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
-        self.cap_list = tuple(cap_list)
+        self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
         self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
@@ -45,7 +48,7 @@ class BucketLayout:
 
     def build_initial(self, hooked: bool) -> None:
         """The buckets before the rebuild; ``hooked``: a comm hook sees them, so torch's."""
-        self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked,
+        self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked or self.like_torch,
                                   rebuilt_later=self._rebuild_planned, cap_list=self.cap_list))
 
     def expect_rebuild(self) -> None:
@@ -62,8 +65,8 @@ class BucketLayout:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
-        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap, hooked=hooked,
-                                  cap_list=self.cap_list))
+        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
+                                  hooked=hooked or self.like_torch, cap_list=self.cap_list))
         self.rebuilt, self.record = True, None
 
     def build(self, groups: list[list[int]]) -> None:

@@ -1,5 +1,5 @@
 """torch's ``delay_all_reduce_named_params``: some parameters are averaged apart from the buckets,
-in one flat all-reduce launched once the gradient of ``param_to_hook_all_reduce`` is computed.
+in one flat all-reduce launched once the gradient of ``param_to_hook_all_reduce`` is accumulated.
 
 Their gradients live in one flat buffer (each ``.grad`` a view of it, set after each forward, as
 torch does), so the launch needs no copy. torch never waits for that all-reduce; ddpkit waits at
@@ -24,8 +24,8 @@ class DelayedAllReduce:
 
     Args:
         params: the delayed parameters (out of the reducer's buckets), one device and dtype.
-        hook_param: the parameter whose gradient hook launches the all-reduce; it should get its
-            gradient after the delayed ones (an early layer), or they are averaged incomplete.
+        hook_param: the parameter whose accumulated gradient launches the all-reduce; it should get
+            its gradient last (an early layer), or the delayed ones are averaged incomplete.
         group: the process group; rank 0's values of ``params`` are broadcast at construction.
     """
 
@@ -49,7 +49,8 @@ class DelayedAllReduce:
         broadcast_coalesced([p.detach() for p in self.params], 0, group)  # torch: whatever init_sync says
         self.armed = False  # a synced forward ran: its backward averages
         self._work: Any = None
-        self._handle = hook_param.register_hook(self._launch)
+        # after its gradient is accumulated (torch: before), so that it may be a delayed one itself
+        self._handle = hook_param.register_post_accumulate_grad_hook(self._launch)
 
     def after_forward(self, synced: bool) -> None:
         """Point missing gradients at the buffer (zeroed), as torch's ``_clear_grad_buffer``;
@@ -66,14 +67,13 @@ class DelayedAllReduce:
                     p.grad = v
                     v.zero_()
 
-    def _launch(self, grad: torch.Tensor) -> torch.Tensor:
+    def _launch(self, hook_param: torch.Tensor) -> None:
         if self.armed and self._work is None:
             self.armed = False
             with torch.no_grad(), outside_backward_python_context():
                 self.buffer.div_(self.world_size)
                 self._work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
             queue_end_of_backward_callback(self._wait)
-        return grad
 
     def _wait(self) -> None:
         work, self._work = self._work, None

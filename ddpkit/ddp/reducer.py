@@ -67,14 +67,14 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.collectives = Collectives(process_group, self.params[0].device, split_bytes)
+        self.skip_unused = skip_unused and find_unused_parameters  # on torch's buckets, as it promises
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
                                     static_graph=static_graph)
         # Rebuilt once, in the order gradients really arrived; as torch, not where that order may
         # change from one iteration to the next (find_unused_parameters without static_graph).
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph),
-                                   bucket_type=bucket_type, cap_list=cap_list)
-        self.skip_unused = skip_unused and find_unused_parameters
+                                   bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused)
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
@@ -224,8 +224,7 @@ class Reducer:
             self._join_work = None
         # multiplied by the scale on their way in, unless a comm hook averages them
         bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
-        # skip_all_reduce_unused_params: a bucket no rank used (the caller's promise) is not all-reduced
-        skip = self.skip_unused and not any(it.used[i] for i in bucket.param_indices)
+        skip = self.skip_unused and not any(it.used[i] for i in bucket.param_indices)  # no rank used it
         with outside_backward_python_context():
             it.works.append(self.collectives.skipped(bucket) if skip else self.collectives.launch(bucket))
 
