@@ -216,6 +216,26 @@ def test_skip_all_reduce_unused_params_leaves_out_the_unused_bucket_as_torch_doe
         assert (out[True]["buckets"], out[True]["ddpkit"]) == (2, 1)
 
 
+def _join_refused_worker() -> list[str]:
+    model = _LargeNet()
+    refused = []
+    for kwargs in ({"find_unused_parameters": True, "skip_all_reduce_unused_params": True},
+                   {"delay_all_reduce_named_params": [("fc2.weight", model.fc2.weight)],
+                    "param_to_hook_all_reduce": model.fc1.weight}):
+        ddp = ddpkit.DDP(_copy(model) if "delay_all_reduce_named_params" not in kwargs else model, **kwargs)
+        with pytest.raises(NotImplementedError) as caught:
+            ddp.join()
+        refused.append(str(caught.value))
+    return refused
+
+
+@pytest.mark.timeout(60)
+def test_join_refuses_the_options_a_joined_rank_cannot_shadow():
+    for rank, refused in enumerate(run_ranks(_join_refused_worker, 2, timeout=45)):
+        assert f"DistributedDataParallel on rank {rank}: join() cannot be used with skip_all_reduce" in refused[0]
+        assert "join() cannot be used with delay_all_reduce_named_params" in refused[1] and "HINT: " in refused[1]
+
+
 # ---- a DeviceMesh for the group; delayed parameters -----------------------------------------------
 def _train(ddp: nn.Module, rank: int, steps: int = 3, after_backward=None) -> list[torch.Tensor]:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
