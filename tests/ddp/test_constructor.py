@@ -4,6 +4,7 @@ delayed all-reduce. Each compares with torch's DDP on Gloo ranks, or a hand comp
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -79,24 +80,27 @@ def _buffers_worker() -> list[dict]:
             ddp(torch.ones(1, 3))
             got[kind] = {"init": after_init, "forward": ddp.module.mark.item(),
                          "attrs": (ddp.broadcast_buffers, ddp.forward_sync_buffers),
-                         "warnings": sorted((w.category.__name__, str(w.message)) for w in caught
-                                            if issubclass(w.category, FutureWarning))}
+                         # where: both point at the caller's line, not into DDP
+                         "warnings": sorted((w.category.__name__, str(w.message), os.path.basename(w.filename))
+                                            for w in caught if issubclass(w.category, FutureWarning))}
         out.append(got)
     return out
 
 
 @pytest.mark.timeout(60)
 def test_buffer_sync_and_deprecation_warnings_are_torchs():
-    for rank, results in enumerate(run_ranks(_buffers_worker, 2, timeout=45)):
+    per_rank = run_ranks(_buffers_worker, 2, timeout=45)
+    for rank, results in enumerate(per_rank):
         for kwargs, got in zip(_BUFFER_CASES, results):
             assert got["ddpkit"] == got["torch"], (rank, kwargs)
-    rank1 = dict(zip(map(str, _BUFFER_CASES), run_ranks(_buffers_worker, 2, timeout=45)[1]))
+    rank1 = dict(zip(map(str, _BUFFER_CASES), per_rank[1]))
     # the hand-worked meaning on rank 1: init 10 is rank 0's value, 11 its own; forward 20 / 21 likewise
     assert rank1["{}"]["ddpkit"]["init"] == 10 and rank1["{}"]["ddpkit"]["forward"] == 20
     assert rank1[str({"forward_sync_buffers": False})]["ddpkit"]["init"] == 10  # init sync stays
     assert rank1[str({"forward_sync_buffers": False})]["ddpkit"]["forward"] == 21
     assert rank1[str({"broadcast_buffers": False})]["ddpkit"]["init"] == 11
-    assert [w for w, _ in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"]] == ["FutureWarning"]
+    assert [w[::2] for w in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"]] == [
+        ("FutureWarning", "test_constructor.py")]
     assert "check_reduction" in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"][0][1]
 
 
