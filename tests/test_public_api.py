@@ -77,6 +77,17 @@ def test_ddp_signature_is_torchs_names_order_defaults_and_kinds():
     assert list(inspect.signature(ddpkit.DDP).parameters)[5] == "init_sync"
 
 
+def test_parallelize_passes_on_every_argument_of_torchs_ddp():
+    """parallelize reads DDP's signature: each of torch 2.13's arguments is an option (device_ids it picks)."""
+    from ddpkit.parallelize import _DDP_OPTIONS
+
+    theirs = set(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters) - {"module", "device_ids"}
+    assert set(_DDP_OPTIONS) == theirs
+    model = torch.nn.Linear(2, 2)  # a single process without GPUs: DDP's options are accepted, unused
+    assert ddpkit.parallelize(model, init_sync=False, forward_sync_buffers=False, bucket_cap_mb_list=[1]) is model \
+        or torch.cuda.device_count() > 0
+
+
 def test_torchs_keyword_names_work_too():
     """Code written for torch calls scatter(..., target_gpus=...) and replicate(network=...)."""
     x = torch.arange(6.0).view(3, 2)
