@@ -39,9 +39,13 @@ def test_importing_a_submodule_never_shadows_the_function_of_the_same_name():
 
 # API.md's signatures: torch's arguments and defaults (newer torch spells some defaults None)
 API_SIGNATURES = {
-    "DistributedDataParallel": dict(device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
-                                    process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
-                                    gradient_as_bucket_view=False, static_graph=False),
+    "DistributedDataParallel": dict(device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
+                                    init_sync=True, process_group=None, bucket_cap_mb=None,
+                                    find_unused_parameters=False, check_reduction=False,
+                                    gradient_as_bucket_view=False, static_graph=False,
+                                    delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                                    mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
+                                    bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None),
     "DataParallel": dict(device_ids=None, output_device=None, dim=0),
     "replicate": dict(detach=False),
     "scatter": dict(dim=0),
@@ -62,6 +66,26 @@ def test_signatures_and_defaults_are_the_contracts():
                   or getattr(torch.nn.parallel.scatter_gather, name))
         their_params = inspect.signature(theirs).parameters
         assert set(defaults) <= set(their_params), f"torch's {name} names its arguments differently"
+
+
+def test_ddp_signature_is_torchs_names_order_defaults_and_kinds():
+    """API.md: torch's constructor exactly, so that positional calls mean the same (the 6th is init_sync)."""
+    def described(cls) -> list[tuple]:
+        return [(p.name, p.default, p.kind) for p in inspect.signature(cls).parameters.values()]
+
+    assert described(ddpkit.DistributedDataParallel) == described(torch.nn.parallel.DistributedDataParallel)
+    assert list(inspect.signature(ddpkit.DDP).parameters)[5] == "init_sync"
+
+
+def test_parallelize_passes_on_every_argument_of_torchs_ddp():
+    """parallelize reads DDP's signature: each of torch 2.13's arguments is an option (device_ids it picks)."""
+    from ddpkit.parallelize import _DDP_OPTIONS
+
+    theirs = set(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters) - {"module", "device_ids"}
+    assert set(_DDP_OPTIONS) == theirs
+    model = torch.nn.Linear(2, 2)  # a single process without GPUs: DDP's options are accepted, unused
+    assert ddpkit.parallelize(model, init_sync=False, forward_sync_buffers=False, bucket_cap_mb_list=[1]) is model \
+        or torch.cuda.device_count() > 0
 
 
 def test_torchs_keyword_names_work_too():

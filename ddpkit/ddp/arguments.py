@@ -18,21 +18,14 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_diffe
            "refuse_sparse_gradients", "refuse_uninitialized"]
 
 _MIB = 1024 * 1024
-class _DefaultCap(int):
-    """25, as the signature shows, but told apart from a 25 the caller passed: torch (whose default
-    is None) gives the small first bucket to the default only."""
-
-    def __repr__(self) -> str:
-        return "25"
-
-
-DEFAULT_BUCKET_CAP_MB = _DefaultCap(25)
+DEFAULT_BUCKET_CAP_MB = 25
+"""What ``bucket_cap_mb=None`` means, as in torch."""
 
 
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
-    """(cap, first cap) in bytes, as torch: a small first bucket with the default cap only, not
+    """(cap, first cap) in bytes, as torch: a small first bucket with the default (None) only, not
     with a cap the caller chose (even 25)."""
-    small_first = bucket_cap_mb is None or isinstance(bucket_cap_mb, _DefaultCap)  # copies too
+    small_first = bucket_cap_mb is None
     if bucket_cap_mb is None:
         bucket_cap_mb = DEFAULT_BUCKET_CAP_MB
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb < 0:

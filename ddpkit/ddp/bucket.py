@@ -25,19 +25,22 @@ overhead would dominate; see Note [Big gradients] in docs/design.md."""
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
-                   first_cap_bytes: int | None = None) -> list[list[int]]:
+                   first_cap_bytes: int | None = None, caps: Sequence[int] = ()) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``cap_bytes``, per device and dtype.
 
     Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
     a bucket closes once it reaches its limit, so a tensor larger than the limit gets a bucket of
     its own. The first bucket of each device and dtype closes at ``first_cap_bytes`` instead
-    (torch's small first bucket: the first all-reduce starts early). Buckets are returned in the
-    order in which they are expected to fill.
+    (torch's small first bucket: the first all-reduce starts early). ``caps`` (torch's
+    ``bucket_cap_mb_list``), when given, replaces both: the k-th bucket of each device and dtype
+    closes at ``caps[k]``, the last cap repeating. Buckets are returned in the order in which they
+    are expected to fill.
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    limits = list(caps) or [first_cap_bytes, cap_bytes]
     position = {index: pos for pos, index in enumerate(order)}
     open_buckets: dict[tuple, tuple[list[int], int]] = {}  # (device, dtype) -> (indices, bytes)
-    started: set[tuple] = set()
+    closed: dict[tuple, int] = {}  # (device, dtype) -> buckets closed so far
     buckets: list[list[int]] = []
     for index in order:
         p = params[index]
@@ -45,9 +48,10 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
         indices, size = open_buckets.pop(key, ([], 0))
         indices.append(index)
         size += p.numel() * p.element_size()
-        if size >= (cap_bytes if key in started else first_cap_bytes):
+        done = closed.get(key, 0)
+        if size >= limits[min(done, len(limits) - 1)]:
             buckets.append(indices)
-            started.add(key)
+            closed[key] = done + 1
         else:
             open_buckets[key] = (indices, size)
     buckets.extend(indices for indices, _ in open_buckets.values())

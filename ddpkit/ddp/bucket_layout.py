@@ -27,12 +27,17 @@ class BucketLayout:
         as_view: ``gradient_as_bucket_view``: the gradients become views of the buckets.
         rebuild: the buckets are rebuilt once, in the order gradients really arrived.
         bucket_type: the class of the buckets built.
+        cap_list: torch's ``bucket_cap_mb_list`` in bytes (the k-th bucket's cap), or empty.
+        like_torch: torch's layout even without a comm hook (skip_all_reduce_unused_params skips
+            the buckets torch would).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
-                 as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket):
+                 as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
+                 like_torch: bool = False):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
+        self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
         self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
@@ -44,8 +49,8 @@ class BucketLayout:
 
     def build_initial(self, hooked: bool) -> None:
         """The buckets before the rebuild; ``hooked``: a comm hook sees them, so torch's."""
-        self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked,
-                                  rebuilt_later=self._rebuild_planned))
+        self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked or self.like_torch,
+                                  rebuilt_later=self._rebuild_planned, cap_list=self.cap_list))
 
     def expect_rebuild(self) -> None:
         """Rebuild after all (static_graph turned on late): record the order from now on."""
@@ -61,7 +66,8 @@ class BucketLayout:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
-        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap, hooked=hooked))
+        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
+                                  hooked=hooked or self.like_torch, cap_list=self.cap_list))
         self.rebuilt, self.record = True, None
 
     def build(self, groups: list[list[int]]) -> None:
@@ -107,15 +113,19 @@ class BucketLayout:
 
 
 def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
-                   rebuilt_later: bool) -> list[list[int]]:
+                   rebuilt_later: bool, cap_list: Sequence[int] = ()) -> list[list[int]]:
     """The buckets before the rebuild, each listing its parameters in registration order.
 
     Without a comm hook: filled in reverse registration order (the expected order of gradients),
     so the first backward overlaps too. With one, torch's, which a hook acting on whole buckets
     must see: one bucket per device and dtype until the rebuild, or, when no rebuild comes
     (find_unused_parameters), groups formed in registration order and launched last first.
+    With ``cap_list`` (torch's ``bucket_cap_mb_list``), torch's own always: those caps in
+    registration order, launched last first.
     """
     registration = list(range(len(params)))
+    if cap_list:
+        return assign_buckets(params, registration, cap, caps=cap_list)[::-1]
     if not hooked:
         groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked))
         return [sorted(indices) for indices in groups]
@@ -125,9 +135,10 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
 
 
 def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: int, first_cap: int,
-                   *, hooked: bool) -> list[list[int]]:
-    """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in)."""
-    return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked))
+                   *, hooked: bool, cap_list: Sequence[int] = ()) -> list[list[int]]:
+    """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
+    ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds."""
+    return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list)
 
 
 def _first_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool) -> int:

@@ -70,6 +70,11 @@ class Collectives:
                 who="DistributedDataParallel", rank=self.rank), rank=self.rank, hook=name)
         return future
 
+    @staticmethod
+    def skipped(bucket: Bucket) -> Any:
+        """The work of a bucket left out (``skip_all_reduce_unused_params``): its own buffer is the result."""
+        return _Done(bucket.buffer())
+
     def all_reduce_bucket(self, bucket: Bucket) -> Any:
         """Start the bucket's all-reduce; a large one on Gloo goes as two concurrent halves.
 
@@ -169,3 +174,13 @@ class _AllWorks:
     def wait(self) -> None:
         for work in self._works:
             work.wait()
+
+
+class _Done:
+    """A collective that was never needed, waited on like the others."""
+
+    def __init__(self, result: torch.Tensor):
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        return self._result

@@ -17,23 +17,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
-from ddpkit.ddp.arguments import (
-    DEFAULT_BUCKET_CAP_MB,
-    bucket_caps,
-    check_devices,
-    first_difference,
-    refuse_sparse_gradients,
-    refuse_uninitialized,
-)
+from ddpkit.ddp import options
+from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_sparse_gradients, refuse_uninitialized
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
-from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
+from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, default_group
+from ddpkit.ddp.state_sync import broadcast_coalesced, default_group, verify_same_tensors
 from ddpkit.errors import CommHookError, explain
-from ddpkit.runtime.comm import all_gather_object
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -57,24 +50,40 @@ class DistributedDataParallel(nn.Module, JoinSupport):
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group=None,
-                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False):
+                 broadcast_buffers: bool | None = None, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False,
+                 delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+                 param_to_hook_all_reduce: nn.Parameter | None = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None):
         super().__init__()
         JoinSupport.__init__(self)
-        self.module = module
-        self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        # torch 2.13's arguments, resolved as torch does: see ddpkit.ddp.options and docs/torch-compat.md
+        options.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
+        options.refuse_unimplemented(mixed_precision)
+        options.warn_check_reduction(check_reduction)
+        buffer_sync = options.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.module, self.dim = module, dim
+        self.forward_sync_buffers = buffer_sync.forward  # broadcast_buffers reads it, as in torch
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy  # ddpkit always batches small copies (Note [Big gradients])
+        self.mixed_precision = None
         self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
         # torch's way to keep some parameters and buffers out of DDP: per-rank ones, left alone
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        delayed = list(delay_all_reduce_named_params or ())
+        self.parameters_to_ignore.update(name for name, _ in delayed)  # averaged apart, as in torch
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self._join_group(default_group() if process_group is None else process_group)
+        self._join_group(options.resolve_group(process_group, device_mesh))
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
         if self.process_group is None:  # a world of one, unless a launcher started several ranks
             require_group_when_launched("DistributedDataParallel",
                                         "each rank would train on its own, its gradients never averaged")
@@ -82,25 +91,40 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
-            named = self._parameters_to_reduce()
+            named = self._parameters_to_reduce(delayed_too=bool(delayed))
             if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
                 refuse_sparse_gradients(module, self.parameters_to_ignore)
-            handled = [p for _, p in self._states(buffers=False)]
+            handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
+            self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))
+            if self.bucket_bytes_cap_list:  # torch: the largest is the cap, and no small first bucket
+                self.bucket_bytes_cap = self._first_bucket_bytes = max(self.bucket_bytes_cap_list)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
-        if self.world_size > 1:
-            self._verify_same_parameters(local_error)
+        # torch's init_sync=False: no check across ranks and no broadcast, the caller's promise that
+        # every rank starts from the same values; torch skips both when every parameter is delayed
+        init_sync = init_sync and bool(named if local_error is None else True)
+        if self.world_size > 1 and init_sync:
+            verify_same_tensors(self._states(buffers=buffer_sync.init), local_error, self.process_group,
+                                self.rank, self.world_size)
         if local_error is not None:
             raise local_error
         # whether there are buffers at all: a model without buffers is not walked again each forward,
         # a walk that costs time in proportion to its modules (see docs/performance.md)
         self._has_buffers = any(True for _ in self._synced_buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
-        if self.world_size > 1:
-            self._broadcast_states(src=0, buffers=broadcast_buffers)
+        self._delayed: DelayedAllReduce | None = None
+        if self.world_size > 1 and delayed:
+            self._delayed = DelayedAllReduce([p for _, p in delayed], param_to_hook_all_reduce, self.process_group)
+        if self.world_size > 1 and named:
+            if init_sync:
+                self._broadcast_states(src=0, buffers=buffer_sync.init)
             self.reducer = self._make_reducer(named)
+
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
+                                 lambda self, value: setattr(self, "forward_sync_buffers", value),
+                                 doc="torch 2.13's alias of ``forward_sync_buffers``.")
 
     # ---- construction steps --------------------------------------------------------------------
     def _join_group(self, process_group) -> None:
@@ -109,45 +133,23 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self.rank = 0 if process_group is None else dist.get_rank(process_group)
 
-    def _parameters_to_reduce(self) -> list[tuple[str, nn.Parameter]]:
+    def _parameters_to_reduce(self, delayed_too: bool = False) -> list[tuple[str, nn.Parameter]]:
+        """``delayed_too``: some parameters are averaged apart, so none left here is no error."""
         refuse_uninitialized(self.module)
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
-        if not named:
+        if not named and not delayed_too:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
                                "parameter that requires a gradient.")
         return named
-
-    def _verify_same_parameters(self, local_error: Exception | None) -> None:
-        """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
-
-        A rank whose own arguments were refused (``local_error``) says so through the same
-        collective, so that the others raise too instead of waiting for it.
-        """
-        mine = [] if local_error is not None else [
-            (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-             t.requires_grad if isinstance(t, nn.Parameter) else None)  # None: a buffer
-            for n, t in self._states(buffers=self.broadcast_buffers)]
-        shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
-        gathered = all_gather_object(shared, group=self.process_group)
-        failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
-        if failed and local_error is None:
-            rank, error = failed[0]
-            raise refused_elsewhere_error(self.rank, rank, error)
-        if failed:
-            return  # the caller raises this rank's own error
-        everyone = [tensors for _, tensors in gathered]
-        for rank in range(1, self.world_size):
-            problem = first_difference(everyone[0], everyone[rank], rank)
-            if problem:
-                raise ranks_disagree_error(self.rank, rank, problem)
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
         return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
                        self.bucket_bytes_cap, self._first_bucket_bytes,
                        find_unused_parameters=self.find_unused_parameters,
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
-                       static_graph=self.static_graph, **self._reducer_options)
+                       static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
+                       skip_unused=self.skip_all_reduce_unused_params, **self._reducer_options)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore
@@ -188,6 +190,9 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                 "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
                 "process group (the copy joins the default group).",
                 "copy or save its .module and wrap that in a new DistributedDataParallel."))
+        if self._delayed is not None:
+            raise NotImplementedError("DistributedDataParallel with delay_all_reduce_named_params cannot be "
+                                      "pickled or deep-copied. HINT: copy or save its .module instead.")
         state = super().__getstate__()
         del state["process_group"], state["reducer"]
         return state
@@ -226,6 +231,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         return inputs, kwargs
 
     def _post_forward(self, output: Any) -> Any:
+        if self._delayed is not None:
+            self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.reducer is None:
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
@@ -249,7 +256,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     # ---- buffers -------------------------------------------------------------------------------
     def _will_sync_buffers(self) -> bool:
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
-        return self.require_forward_param_sync and self.broadcast_buffers and self._has_buffers
+        return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
 
     def _sync_buffers(self, active: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active.

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddpkit.errors import explain
+
 if TYPE_CHECKING:
     from ddpkit.ddp.distributed import DistributedDataParallel
 
@@ -38,6 +40,15 @@ class JoinSupport(Joinable):
         Ranks that run out of data contribute zeros to the others' all-reduces until all are done;
         then every rank adopts the model of a rank that trained to the end.
         """
+        unshadowed = [name for name, on in (
+            ("skip_all_reduce_unused_params", self.skip_all_reduce_unused_params and self.find_unused_parameters),
+            ("delay_all_reduce_named_params", self._delayed is not None)) if on]
+        if enable and unshadowed:  # torch's DDP would leave the ranks in mismatched collectives
+            raise NotImplementedError(explain(
+                f"join() cannot be used with {unshadowed[0]}: a rank that joined cannot tell which "
+                "all-reduces the others issue, and the ranks would wait in mismatched collectives.",
+                f"give every rank the same number of batches, or leave {unshadowed[0]} out.",
+                who="DistributedDataParallel", rank=self.rank))
         if self.reducer is None:
             return contextlib.nullcontext()
         return Join([self], enable, throw_on_early_termination,

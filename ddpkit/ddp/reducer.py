@@ -49,15 +49,14 @@ _IDLE, _REDUCING, _FINALIZED = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED
 class Reducer:
     """Average the gradients of ``params`` (named ``names``) over ``process_group`` during backward.
 
-    ``cap_bytes`` and ``first_cap_bytes`` size the buckets (torch's ``bucket_cap_mb`` and small first
-    bucket); the flags are torch's DDP options; from ``split_bytes`` on, a CPU bucket's Gloo
-    all-reduce goes as two halves; ``bucket_type`` is the class of the buckets built.
-    """
+    ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
+    options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket):
+                 split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
+                 cap_list: Sequence[int] = (), skip_unused: bool = False):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -66,12 +65,13 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.collectives = Collectives(process_group, self.params[0].device, split_bytes)
+        self.skip_unused = skip_unused and find_unused_parameters  # on torch's buckets, as it promises
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
                                     static_graph=static_graph)
-        # rebuilt once in arrival order, as torch; not where that order may change (find_unused, no static_graph)
+        # rebuilt once, in the order gradients arrived; as torch, not where it may change (find_unused)
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph),
-                                   bucket_type=bucket_type)
+                                   bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused)
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
@@ -124,9 +124,7 @@ class Reducer:
             self.collectives.drain(it.works)
             self._end_iteration(it, Phase.IDLE, counted=False)
             raise unfinished_backward_error(self.rank)
-        # a backward that reached no parameter, or failed before one did: nothing launched, and a
-        # callback queued by an output hook of a failed backward never runs
-        it.rearm()
+        it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
 
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
@@ -223,8 +221,10 @@ class Reducer:
         # multiplied by the scale on their way in, unless a comm hook averages them
         with bucket_range(bucket, "fill"):
             bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
+        # skip_all_reduce_unused_params: torch's contract is that every rank leaves the same ones unused
+        skip = self.skip_unused and not any(it.used[i] for i in bucket.param_indices)
         with outside_backward_python_context():
-            it.works.append(self.collectives.launch(bucket))
+            it.works.append(self.collectives.skipped(bucket) if skip else self.collectives.launch(bucket))
 
     # ---- the wait point ------------------------------------------------------------------------
     def finalize_backward(self) -> None:

@@ -1,11 +1,19 @@
 """Copying one rank's parameters and buffers to every rank: at construction, before a forward
-(buffers), and after join (the model of a rank that trained to the end)."""
+(buffers), and after join (the model of a rank that trained to the end); and the construction-time
+check that every rank holds the same tensors."""
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["broadcast_coalesced", "default_group"]
+from ddpkit.ddp.arguments import first_difference
+from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
+from ddpkit.runtime.comm import all_gather_object
+
+__all__ = ["broadcast_coalesced", "default_group", "verify_same_tensors"]
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
 
@@ -38,3 +46,29 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
                     torch._foreach_copy_(chunk, [v.view_as(t) for v, t in zip(views, chunk)])
 
 
+
+
+def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error: Exception | None,
+                        group, rank: int, world_size: int) -> None:
+    """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
+
+    A rank whose own arguments were refused (``local_error``) says so through the same
+    collective, so that the others raise too instead of waiting for it; it returns, and its
+    caller raises its own error.
+    """
+    mine = [] if local_error is not None else [
+        (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+         t.requires_grad if isinstance(t, nn.Parameter) else None)  # None: a buffer
+        for n, t in states]
+    shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
+    gathered = all_gather_object(shared, group=group)
+    failed = [(r, error) for r, (error, _) in enumerate(gathered) if error is not None]
+    if failed and local_error is None:
+        raise refused_elsewhere_error(rank, *failed[0])
+    if failed:
+        return
+    everyone = [tensors for _, tensors in gathered]
+    for other in range(1, world_size):
+        problem = first_difference(everyone[0], everyone[other], other)
+        if problem:
+            raise ranks_disagree_error(rank, other, problem)

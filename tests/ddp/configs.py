@@ -150,6 +150,29 @@ CONFIGS: tuple[Config, ...] = (
     # torch's joined rank sends its last used map again: 'some' gets zeros, not None, afterwards
     Config("join_unused_user_joins_first", uneven="last_rank_first", model="unused",
            kwargs={"find_unused_parameters": True}),
+    # torch 2.13's newer constructor arguments (tests/ddp/test_constructor.py checks what this cannot)
+    # init_sync=False: no broadcast at construction, so each rank trains on from its own weights
+    Config("init_sync_off_different_init", different_init=True, kwargs={"init_sync": False}),
+    Config("init_sync_off_bn", model="bn", different_init=True, kwargs={"init_sync": False}),
+    Config("check_reduction_deprecated", kwargs={"check_reduction": True}),
+    Config("forward_sync_buffers_off", model="bn", kwargs={"forward_sync_buffers": False}),
+    Config("forward_sync_buffers_wins_over_broadcast_buffers", model="bn",
+           kwargs={"broadcast_buffers": False, "forward_sync_buffers": True}),
+    Config("forward_sync_buffers_join", model="bn", uneven=True, kwargs={"forward_sync_buffers": True}),
+    # bucket_norm scales each bucket by its own norm: the averages differ unless the buckets are torch's
+    Config("bucket_cap_mb_list", model="wide", steps=3, kwargs={"bucket_cap_mb_list": [0.01, 1, 0.5]}),
+    Config("bucket_norm_hook_cap_list", hook="bucket_norm", model="wide", steps=3,
+           kwargs={"bucket_cap_mb_list": [0.01, 1, 0.5]}),
+    Config("bucket_norm_hook_cap_list_tiny", hook="bucket_norm", kwargs={"bucket_cap_mb_list": [0.0002, 0.0005]}),
+    Config("bucket_norm_hook_cap_list_find_unused", hook="bucket_norm", model="unused",
+           kwargs={"find_unused_parameters": True, "bucket_cap_mb_list": [0.0002, 0.0005]}),
+    Config("skip_all_reduce_unused_params", model="unused_everywhere",
+           kwargs={"find_unused_parameters": True, "skip_all_reduce_unused_params": True, "bucket_cap_mb": 0.0002}),
+    Config("skip_all_reduce_unused_params_hook", model="unused_everywhere", hook="bucket_norm",
+           kwargs={"find_unused_parameters": True, "skip_all_reduce_unused_params": True, "bucket_cap_mb": 0.0002}),
+    Config("batched_grad_copy", kwargs={"batched_grad_copy": True}),
+    Config("batched_grad_copy_wide_bucket_view", model="wide", steps=3,
+           kwargs={"batched_grad_copy": True, "gradient_as_bucket_view": True}),
 )
 
 _BY_NAME = {config.name: config for config in CONFIGS}

@@ -181,7 +181,7 @@ def _model(name: str) -> nn.Module:
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     if name == "bn":
         return nn.Sequential(nn.Linear(IN, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    if name == "unused":
+    if name in ("unused", "unused_everywhere"):  # unused_everywhere: use_some on every rank
         return Unused()
     if name == "reordered":
         return Reordered()

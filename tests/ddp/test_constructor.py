@@ -1,0 +1,323 @@
+"""torch 2.13's newer DDP constructor arguments, where the side-by-side training of test_ddp.py cannot
+tell: warnings, buffers at construction, bucket layouts, collectives skipped, a DeviceMesh, the
+delayed all-reduce. Each compares with torch's DDP on Gloo ranks, or a hand computation."""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+
+import ddpkit
+from ddpkit.ddp.options import bucket_cap_list, resolve_group
+
+TORCH_DDP = nn.parallel.DistributedDataParallel
+
+
+# ---- single process: refusals that need no process group --------------------------------------
+def test_mixed_precision_is_refused_by_name_never_ignored():
+    with pytest.raises(NotImplementedError, match=r"mixed_precision=.* is not implemented .* HINT: "):
+        ddpkit.DDP(nn.Linear(2, 2), mixed_precision=SimpleNamespace(param_dtype=torch.float16))
+
+
+@pytest.mark.parametrize("given", ["delay_all_reduce_named_params", "param_to_hook_all_reduce"])
+def test_delayed_parameters_and_their_hook_parameter_come_together(given):
+    model = nn.Linear(2, 2)
+    value = [("weight", model.weight)] if given == "delay_all_reduce_named_params" else model.weight
+    with pytest.raises(ValueError, match=rf"need to be set at the same time, but only {given} was"):
+        ddpkit.DDP(model, **{given: value})
+
+
+def test_device_mesh_rules_are_torchs():
+    with pytest.raises(RuntimeError, match="Cannot specify both process_group and device_mesh arguments"):
+        resolve_group(object(), SimpleNamespace(ndim=1))
+    with pytest.raises(RuntimeError, match=r"Only 1D device mesh is supported.*2 dimensions"):
+        resolve_group(None, SimpleNamespace(ndim=2))
+    group = object()
+    assert resolve_group(None, SimpleNamespace(ndim=1, get_group=lambda mesh_dim: group)) is group
+
+
+def test_bucket_cap_mb_list_is_in_mib_and_checked():
+    assert bucket_cap_list([1, 0.5]) == (2**20, 2**19) and bucket_cap_list([]) == bucket_cap_list(None) == ()
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list=\[1, -2\] holds -2"):
+        bucket_cap_list([1, -2])
+
+
+# ---- warnings and buffers at construction, against torch -----------------------------------------
+class _RankBuffer(nn.Module):
+    """A buffer that starts as 10 + rank: which rank's value survives construction and forward."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("mark", torch.full((1,), 10.0 + rank))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+_BUFFER_CASES = [{}, {"broadcast_buffers": False}, {"broadcast_buffers": True}, {"forward_sync_buffers": False},
+                 {"broadcast_buffers": False, "forward_sync_buffers": False}, {"check_reduction": True}]
+
+
+def _buffers_worker() -> list[dict]:
+    rank = dist.get_rank()
+    out = []
+    for kwargs in _BUFFER_CASES:
+        got = {}
+        for kind, cls in (("ddpkit", ddpkit.DDP), ("torch", TORCH_DDP)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ddp = cls(_RankBuffer(rank), **kwargs)
+            after_init = ddp.module.mark.item()
+            ddp.module.mark.fill_(20.0 + rank)
+            ddp(torch.ones(1, 3))
+            got[kind] = {"init": after_init, "forward": ddp.module.mark.item(),
+                         "attrs": (ddp.broadcast_buffers, ddp.forward_sync_buffers),
+                         # where: both point at the caller's line, not into DDP
+                         "warnings": sorted((w.category.__name__, str(w.message), os.path.basename(w.filename))
+                                            for w in caught if issubclass(w.category, FutureWarning))}
+        out.append(got)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_buffer_sync_and_deprecation_warnings_are_torchs():
+    per_rank = run_ranks(_buffers_worker, 2, timeout=45)
+    for rank, results in enumerate(per_rank):
+        for kwargs, got in zip(_BUFFER_CASES, results):
+            assert got["ddpkit"] == got["torch"], (rank, kwargs)
+    rank1 = dict(zip(map(str, _BUFFER_CASES), per_rank[1]))
+    # the hand-worked meaning on rank 1: init 10 is rank 0's value, 11 its own; forward 20 / 21 likewise
+    assert rank1["{}"]["ddpkit"]["init"] == 10 and rank1["{}"]["ddpkit"]["forward"] == 20
+    assert rank1[str({"forward_sync_buffers": False})]["ddpkit"]["init"] == 10  # init sync stays
+    assert rank1[str({"forward_sync_buffers": False})]["ddpkit"]["forward"] == 21
+    assert rank1[str({"broadcast_buffers": False})]["ddpkit"]["init"] == 11
+    assert [w[::2] for w in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"]] == [
+        ("FutureWarning", "test_constructor.py")]
+    assert "check_reduction" in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"][0][1]
+
+
+def _init_sync_off_worker() -> dict:
+    """init_sync=False: no check and no broadcast, so ranks may even hold different shapes."""
+    rank = dist.get_rank()
+    out = {}
+    for kind, cls in (("ddpkit", ddpkit.DDP), ("torch", TORCH_DDP)):
+        torch.manual_seed(rank)
+        model = nn.Linear(3, 2 + rank)  # refused with init_sync=True
+        ddp = cls(model, init_sync=False)
+        out[kind] = [p.detach().clone() for p in ddp.parameters()]
+    torch.manual_seed(rank)
+    out["own"] = [p.detach() for p in nn.Linear(3, 2 + rank).parameters()]
+    with pytest.raises(RuntimeError):
+        ddpkit.DDP(nn.Linear(3, 2 + rank))  # the check is on by default
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_init_sync_false_neither_checks_nor_broadcasts_like_torch():
+    for out in run_ranks(_init_sync_off_worker, 2, timeout=45):
+        for mine, theirs, own in zip(out["ddpkit"], out["torch"], out["own"]):
+            assert torch.equal(mine, theirs) and torch.equal(mine, own)
+
+
+# ---- bucket layouts and collectives -------------------------------------------------------------
+def _layout_worker(cap_list: list[float]) -> dict:
+    """ddpkit's buckets (no hook) and torch's (seen through a recording hook), step by step."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 600), nn.ReLU(), nn.Linear(600, 700), nn.ReLU(), nn.Linear(700, 3))
+    shapes = {}
+    theirs: list[list[list[tuple]]] = []
+
+    def record(state, bucket):
+        theirs[-1].append([tuple(p.shape) for p in bucket.parameters()])
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+    mine = ddpkit.DDP(_copy(base), bucket_cap_mb_list=cap_list)
+    ref = TORCH_DDP(_copy(base), bucket_cap_mb_list=cap_list)
+    ref.register_comm_hook(None, record)
+    shapes["ddpkit"] = []
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        out = mine(x)
+        shapes["ddpkit"].append([[tuple(p.shape) for p in b.parameters()] for b in mine.reducer.buckets])
+        out.sum().backward()
+        theirs.append([])
+        ref(x).sum().backward()
+    shapes["torch"] = theirs
+    return shapes
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cap_list", [[0.01, 1, 0.5], [0.002], [3, 0]])
+def test_bucket_cap_mb_list_gives_torchs_buckets_before_and_after_the_rebuild(cap_list):
+    for shapes in run_ranks(_layout_worker, 2, args=(cap_list,), timeout=45):
+        assert shapes["ddpkit"] == shapes["torch"]
+
+
+class _LargeNet(nn.Module):
+    """torch's own test model for skip_all_reduce_unused_params: fc2 is unused on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(100, 500, bias=False)
+        self.fc2 = nn.Linear(100, 100, bias=False)
+
+    def forward(self, x):
+        return self.fc1(x)
+
+
+def _skip_worker() -> dict:
+    """Bucket all-reduces in the last of three backwards, with and without skip_all_reduce_unused_params."""
+    from ddpkit.ddp.collectives import Collectives
+
+    counted = [0]
+    real = Collectives.all_reduce_bucket
+
+    def counting(self, bucket):
+        counted[0] += 1
+        return real(self, bucket)
+
+    Collectives.all_reduce_bucket = counting
+    out = {}
+    for skip in (False, True):
+        torch.manual_seed(0)
+        model = _LargeNet()
+        kwargs = dict(find_unused_parameters=True, bucket_cap_mb=0.15, skip_all_reduce_unused_params=skip)
+        mine, ref = ddpkit.DDP(_copy(model), **kwargs), TORCH_DDP(_copy(model), **kwargs)
+        x = torch.randn(4, 100) + dist.get_rank()
+        for _ in range(3):
+            counted[0] = 0
+            mine(x).sum().backward()
+            ref(x).sum().backward()
+        out[skip] = {"ddpkit": counted[0], "torch": ref._get_ddp_logging_data().get("num_buckets_reduced"),
+                     "buckets": len(mine.reducer.buckets),
+                     "grads": [None if p.grad is None else p.grad.clone() for p in mine.parameters()],
+                     "torch_grads": [None if p.grad is None else p.grad.clone() for p in ref.parameters()]}
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_skip_all_reduce_unused_params_leaves_out_the_unused_bucket_as_torch_does():
+    for out in run_ranks(_skip_worker, 2, timeout=45):
+        for skip in (False, True):
+            mine, theirs = out[skip]["grads"], out[skip]["torch_grads"]
+            assert [g is None for g in mine] == [g is None for g in theirs] == [False, True]
+            assert torch.allclose(mine[0], theirs[0], atol=1e-5)
+        # torch reduces fc1's bucket and fc2's, or only fc1's; with skip ddpkit keeps torch's two
+        # buckets (without it, on CPU, one: Note [Bucket layout on CPU]) and reduces only fc1's
+        assert (out[False]["torch"], out[True]["torch"]) == (2, 1)
+        assert (out[True]["buckets"], out[True]["ddpkit"]) == (2, 1)
+
+
+def _join_refused_worker() -> list[str]:
+    model = _LargeNet()
+    refused = []
+    for kwargs in ({"find_unused_parameters": True, "skip_all_reduce_unused_params": True},
+                   {"delay_all_reduce_named_params": [("fc2.weight", model.fc2.weight)],
+                    "param_to_hook_all_reduce": model.fc1.weight}):
+        ddp = ddpkit.DDP(_copy(model) if "delay_all_reduce_named_params" not in kwargs else model, **kwargs)
+        with pytest.raises(NotImplementedError) as caught:
+            ddp.join()
+        refused.append(str(caught.value))
+    return refused
+
+
+@pytest.mark.timeout(60)
+def test_join_refuses_the_options_a_joined_rank_cannot_shadow():
+    for rank, refused in enumerate(run_ranks(_join_refused_worker, 2, timeout=45)):
+        assert f"DistributedDataParallel on rank {rank}: join() cannot be used with skip_all_reduce" in refused[0]
+        assert "join() cannot be used with delay_all_reduce_named_params" in refused[1] and "HINT: " in refused[1]
+
+
+# ---- a DeviceMesh for the group; delayed parameters -----------------------------------------------
+def _train(ddp: nn.Module, rank: int, steps: int = 3, after_backward=None) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        ddp(torch.randn(5, 4, generator=data) + rank).square().mean().backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def _mlp(rank: int) -> nn.Module:
+    torch.manual_seed(rank)  # different weights per rank: construction must broadcast rank 0's
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _device_mesh_worker() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    mine = ddpkit.DDP(_mlp(rank), device_mesh=mesh)
+    errors = []
+    for cls in (ddpkit.DDP, TORCH_DDP):
+        try:
+            cls(_mlp(rank), device_mesh=mesh, process_group=dist.group.WORLD)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return {"group": mine.process_group is mesh.get_group(0), "errors": errors,
+            "ddpkit": _train(mine, rank), "torch": _train(TORCH_DDP(_mlp(rank), device_mesh=mesh), rank)}
+
+
+@pytest.mark.timeout(60)
+def test_a_1d_device_mesh_stands_for_its_group_and_not_with_process_group():
+    for out in run_ranks(_device_mesh_worker, 2, timeout=45):
+        assert out["group"]
+        assert len(out["errors"]) == 2 and all("Cannot specify both process_group and device_mesh" in e
+                                               for e in out["errors"])
+        for mine, theirs in zip(out["ddpkit"], out["torch"]):
+            assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def _delay_worker(delay_all: bool) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    # torch cannot delay every parameter (its device check then sees none and raises): for that case
+    # the reference is single-process training on both ranks' batches, from rank 0's weights
+    for kind, cls in (("ddpkit", ddpkit.DDP),) + ((("torch", TORCH_DDP),) if not delay_all else ()):
+        model = _mlp(rank)
+        delayed = list(model.named_parameters()) if delay_all else list(model[4].named_parameters(prefix="4"))
+        ddp = cls(model, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=model[0].weight)
+        # torch never waits for its delayed all-reduce; a Gloo barrier waits for every earlier collective
+        out[kind] = _train(ddp, rank, after_backward=dist.barrier)
+    if delay_all:
+        out["torch"] = _global_batch_reference()
+    return out
+
+
+def _global_batch_reference(steps: int = 3) -> list[torch.Tensor]:
+    """What averaged gradients give: the mean of the ranks' losses, on one process."""
+    model = _mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.Generator().manual_seed(r) for r in range(2)]
+    for _ in range(steps):
+        sum(model(torch.randn(5, 4, generator=data[r]) + r).square().mean() for r in range(2)).div(2).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("delay_all", [False, True])
+def test_delayed_parameters_are_averaged_after_the_hook_parameters_gradient_like_torch(delay_all):
+    per_rank = run_ranks(_delay_worker, 2, args=(delay_all,), timeout=45)
+    for out in per_rank:
+        for mine, theirs in zip(out["ddpkit"], out["torch"]):
+            assert torch.allclose(mine, theirs, atol=1e-6)
+    for a, b in zip(per_rank[0]["ddpkit"], per_rank[1]["ddpkit"]):  # averaged: the ranks agree
+        assert torch.equal(a, b)
