@@ -7,6 +7,7 @@ the end of the backward that launched it, so the averages are final when ``backw
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -56,6 +57,10 @@ class DelayedAllReduce:
         """Point missing gradients at the buffer (zeroed), as torch's ``_clear_grad_buffer``;
         ``synced``: this forward's backward averages (not under ``no_sync``)."""
         self.armed = synced
+        if self._work is not None:  # launched by a backward that failed before its end: let it finish,
+            with contextlib.suppress(Exception):  # as it writes into the buffer, and launch anew
+                self._work.wait()
+            self._work = None
         with torch.no_grad():
             if all(p.grad is None for p in self.params):
                 self.buffer.zero_()

@@ -713,12 +713,16 @@ def _averaged_and_average(ddp: nn.Module, xs: list[torch.Tensor]) -> list[list[t
     return [[p.grad.clone() for p in model.parameters()], average]
 
 
-def _after_abandoned_first_iteration_worker() -> list[list[list[torch.Tensor]]]:
+def _after_abandoned_first_iteration_worker(delayed: bool) -> list[list[list[torch.Tensor]]]:
     """Some hooks recorded their gradient's arrival (in one bucket: nothing launched) before the
-    failure; training then goes on, through the rebuild."""
+    failure; training then goes on, through the rebuild. ``delayed``: '2.weight' is averaged apart
+    (delay_all_reduce_named_params), its all-reduce launched by the failing parameter's gradient."""
     torch.manual_seed(0)
-    ddp = ddpkit.DistributedDataParallel(_mlp(8, 3))
-    _fail_a_backward(ddp, torch.ones(2, 8))
+    model = _mlp(8, 3)
+    kwargs = {"delay_all_reduce_named_params": [("2.weight", model[2].weight)],
+              "param_to_hook_all_reduce": model[0].weight} if delayed else {}
+    ddp = ddpkit.DistributedDataParallel(model, **kwargs)
+    _fail_a_backward(ddp, torch.ones(2, 8))  # its hook runs after the one that launches the delayed
     world = ddpkit.get_world_size()
     # the first step completes iteration 0, the second rebuilds the buckets
     return [_averaged_and_average(ddp, [torch.full((2, 8), float(r + step + 1)) for r in range(world)])
@@ -726,8 +730,9 @@ def _after_abandoned_first_iteration_worker() -> list[list[list[torch.Tensor]]]:
 
 
 @pytest.mark.timeout(60)
-def test_training_goes_on_after_an_abandoned_first_iteration_and_rebuilds_in_the_real_order():
-    for steps in run_ranks(_after_abandoned_first_iteration_worker, 2, timeout=45):
+@pytest.mark.parametrize("delayed", [False, True], ids=["buckets", "delayed_all_reduce_too"])
+def test_training_goes_on_after_an_abandoned_first_iteration_and_rebuilds_in_the_real_order(delayed):
+    for steps in run_ranks(_after_abandoned_first_iteration_worker, 2, args=(delayed,), timeout=45):
         for got, want in steps:
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w)
@@ -748,3 +753,4 @@ def test_the_step_after_an_abandoned_backward_averages_its_own_gradients():
     for got, want in run_ranks(_after_abandoned_launches_worker, 2, timeout=45):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
+
