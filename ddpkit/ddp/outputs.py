@@ -7,6 +7,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from ddpkit.dp.nested import map_tensors, tensors
 
@@ -33,8 +34,9 @@ def _is_plain_object(obj: Any) -> bool:
 
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move the tensors of a (nested) input to ``device``, as torch's DDP does with device_ids;
-    what holds no tensor to move comes back as the same object."""
-    return map_tensors(lambda t: t.to(device, non_blocking=True), obj)
+    what holds no tensor to move comes back as the same object. A PackedSequence moves whole, as in
+    torch: its batch_sizes stay on the CPU, where an RNN wants them."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), obj, leaves=(PackedSequence,))
 
 
 def unreached_parameters(outputs: list[torch.Tensor], index_of: Mapping[int, int]) -> list[int]:

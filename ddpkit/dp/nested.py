@@ -75,8 +75,9 @@ def tensors(obj: Any, *, every_field: bool = False) -> Iterator[torch.Tensor]:
         yield from tensors(value, every_field=every_field)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to each of its tensors.
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, leaves: tuple[type, ...] = ()) -> Any:
+    """``obj`` with ``fn`` applied to each of its tensors, and to each instance of ``leaves`` (types
+    handed to ``fn`` whole, such as a PackedSequence, whose ``.to()`` keeps batch_sizes on the CPU).
 
     A container is rebuilt only where ``fn`` returned something other than the tensor it was given,
     so what holds no tensor (or only tensors ``fn`` kept) comes back as the very same object.
@@ -85,12 +86,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         >>> map_tensors(lambda t: t * 2, {"x": torch.ones(2), "tag": "a"})
         {'x': tensor([2., 2.]), 'tag': 'a'}
     """
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) or (leaves and isinstance(obj, leaves)):
         return fn(obj)
     node = _node(obj)
     if node is None or not node.values:
         return obj
-    mapped = [map_tensors(fn, v) for v in node.values]
+    mapped = [map_tensors(fn, v, leaves) for v in node.values]
     if all(new is old for new, old in zip(mapped, node.values)):
         return obj
     return node.rebuild(mapped)

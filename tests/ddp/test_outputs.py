@@ -152,3 +152,17 @@ def test_ddp_averages_gradients_reached_through_a_non_init_dataclass_field_as_to
     for out in run_ranks(_non_init_field_worker, 2, timeout=45):
         for got, want in zip(out["ddpkit"], out["torch"]):
             torch.testing.assert_close(got, want)
+
+
+def test_a_packed_sequence_input_moves_whole_keeping_batch_sizes_on_the_cpu():
+    """torch's DDP moves a PackedSequence with .to(); taken apart as a named tuple, its batch_sizes
+    would move too, which PackedSequence refuses (and an RNN on a GPU would too)."""
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+    from ddpkit.ddp.outputs import to_device
+
+    packed = pack_sequence([torch.ones(3, 2), torch.ones(2, 2)])
+    moved, = to_device((packed,), torch.device("meta"))
+    assert isinstance(moved, PackedSequence)
+    assert moved.data.device.type == "meta" and moved.batch_sizes.device.type == "cpu"
+    assert moved.batch_sizes.tolist() == packed.batch_sizes.tolist()
