@@ -40,8 +40,10 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any | None = None, device=None, dtype=None,
                  *, bias: bool = True) -> None:
+        # ``bias`` goes on only when False: torch before 2.12 has no such argument (nor bias-less BatchNorm)
+        no_bias = {} if bias else {"bias": False}
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+                         **no_bias)
         self.process_group = process_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -98,7 +100,8 @@ class SyncBatchNorm(_BatchNorm):
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group, bias=module.bias is not None)
+                            module.track_running_stats, process_group,
+                            bias=module.bias is not None or not module.affine)
             if module.affine:
                 with torch.no_grad():
                     converted.weight = module.weight

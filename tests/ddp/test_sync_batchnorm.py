@@ -46,6 +46,7 @@ CASES = [
     Case("a_rank_with_an_empty_batch", (3, 0, 4), spatial=(5,)),
     Case("eval_mode", (3, 3), eval_after=True),
     Case("affine_false", (3, 3), kwargs={"affine": False}),
+    Case("no_bias", (3, 3), kwargs={"bias": False}),
     Case("momentum_none", (3, 5), kwargs={"momentum": None}, steps=3),
     Case("no_running_stats", (3, 3), kwargs={"track_running_stats": False}),
     Case("float64", (3, 4), dtype=torch.float64),
@@ -79,7 +80,8 @@ def _fresh_bn(case: Case, cls) -> nn.Module:
     if bn.affine:  # weights away from 1 and biases away from 0, so that a missed factor shows
         with torch.no_grad():
             bn.weight.uniform_(0.5, 1.5)
-            bn.bias.uniform_(-1, 1)
+            if bn.bias is not None:
+                bn.bias.uniform_(-1, 1)
     return bn
 
 
@@ -167,6 +169,36 @@ def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(case: Case):
             _assert_close(torch.cat([results[r]["eval_y"] for r in ranks]), ref["eval_y"], case)
     if case.eval_after:  # eval normalises with the running statistics: nothing to synchronise
         assert [r["eval_collectives"] for r in results] == [0] * len(results)
+
+
+def _tiny_batches_worker() -> dict:
+    """A global batch of one value per channel, then an empty one everywhere."""
+    rank, out = dist.get_rank(), {}
+    bn = ddpkit.SyncBatchNorm(C)
+    try:
+        bn(torch.randn(1 - rank, C))  # rank 0 has the one sample, rank 1 none
+    except ValueError as e:
+        out["one"] = str(e)
+    y = bn(torch.randn(0, C, 3, requires_grad=True))
+    y.sum().backward()
+    out["empty"] = (y.shape, bn.running_mean.clone(), bn.running_var.clone(), bn.weight.grad.clone())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_global_batch_of_one_raises_on_every_rank_and_an_empty_one_changes_nothing():
+    reference = nn.BatchNorm1d(C)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as batchnorm_error:
+        reference(torch.randn(1, C))
+    reference(torch.randn(0, C, 3))  # BatchNorm on an empty batch: empty output, statistics untouched
+    for rank, out in enumerate(run_ranks(_tiny_batches_worker, 2, timeout=30)):
+        assert "Expected more than 1 value per channel when training" in out["one"]
+        assert out["one"].startswith(f"SyncBatchNorm on rank {rank}:") and "HINT:" in out["one"]
+        assert batchnorm_error.type is ValueError
+        shape, mean, var, weight_grad = out["empty"]
+        assert shape == (0, C, 3)
+        torch.testing.assert_close((mean, var), (reference.running_mean, reference.running_var), atol=0, rtol=0)
+        torch.testing.assert_close(weight_grad, torch.zeros(C), atol=0, rtol=0)
 
 
 def test_world_of_one_is_plain_batchnorm():
@@ -267,24 +299,32 @@ def test_constructor_is_torchs():
         return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
 
     assert arguments(ddpkit.SyncBatchNorm) == arguments(nn.SyncBatchNorm)
+    bias_free = ddpkit.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3, bias=False))
+    assert bias_free.bias is None and bias_free.weight is not None
     with pytest.raises(ValueError, match="expected at least 2D input"):
         ddpkit.SyncBatchNorm(3)(torch.ones(3))
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         ddpkit.SyncBatchNorm(3)(torch.ones(1, 3))  # a world of one: BatchNorm's own check
 
 
-def _cuda_worker() -> dict[str, list[torch.Tensor]]:
+def _cuda_worker(sizes: tuple[int, ...], channels_last: bool) -> dict[str, list[torch.Tensor]]:
     rank, out = dist.get_rank(), {}
     torch.manual_seed(0)
-    x = torch.randn(7, C, 5, 5, device="cuda") * 2 + 1
-    dy = torch.randn_like(x)
-    sizes = (3, 4)
-    start = sum(sizes[:rank])
+    x = torch.randn(sum(sizes), C, 5, 5, device="cuda") * 2 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    dy, start = torch.randn_like(x), sum(sizes[:rank])
     for kind, cls in (("ddpkit", ddpkit.SyncBatchNorm), ("torch", nn.SyncBatchNorm)):
+        torch.manual_seed(1)
         bn = cls(C).cuda()
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-1, 1)
         mine = x[start:start + sizes[rank]].clone().requires_grad_()
-        y = bn(mine)
-        y.backward(dy[start:start + sizes[rank]])
+        for _ in range(2):  # the second step normalises with the first step's running statistics mixed in
+            mine.grad = None
+            y = bn(mine)
+            y.backward(dy[start:start + sizes[rank]])
         out[kind] = [y.detach().cpu(), mine.grad.cpu(), bn.weight.grad.cpu(), bn.bias.grad.cpu(),
                      bn.running_mean.cpu(), bn.running_var.cpu()]
     return out
@@ -292,7 +332,9 @@ def _cuda_worker() -> dict[str, list[torch.Tensor]]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's SyncBatchNorm runs only on GPUs; no CUDA here")
 @pytest.mark.timeout(120)
-def test_on_gpu_equals_torchs_sync_batchnorm():
-    for result in run_ranks(_cuda_worker, 2, timeout=90):
+@pytest.mark.parametrize("sizes, channels_last", [((3, 4), False), ((2, 5), True)])
+def test_on_gpu_equals_torchs_sync_batchnorm(sizes: tuple[int, ...], channels_last: bool):
+    """Both ranks on the one GPU, over Gloo (which takes CUDA tensors): torch's Function is the reference."""
+    for result in run_ranks(_cuda_worker, len(sizes), args=(sizes, channels_last), timeout=90):
         for mine, ref in zip(result["ddpkit"], result["torch"]):
             torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
