@@ -1,9 +1,9 @@
 """The autograd Function behind ``ddpkit.SyncBatchNorm``: batch statistics over the global batch.
 
 torch's own ``SyncBatchNorm`` Function calls CUDA-only kernels (``batch_norm_stats``,
-``batch_norm_gather_stats_with_counts``, ...), so it raises on CPU. This one uses only kernels that
-both CPU and GPU have (BatchNorm's statistics, its eval forward and backward, plain tensor ops) and
-``torch.distributed`` collectives, so it runs over Gloo on CPU as well as on GPUs.
+``batch_norm_gather_stats_with_counts``, ...), so it raises on CPU. This one uses BatchNorm's eval
+forward, tensor ops and ``torch.distributed`` collectives, so it runs over Gloo on CPU as well as on
+GPUs; on CPU, BatchNorm's fused statistics and backward kernels replace two of the tensor-op steps.
 
 Forward: every rank computes its per-channel count, mean and *centred* sum of squares (``m2``); one
 ``all_gather`` brings every rank's triple; each rank combines them (Chan et al.'s pairwise formula),
@@ -22,7 +22,17 @@ from torch.autograd.function import once_differentiable
 
 from ddpkit.errors import explain
 
-__all__ = ["SyncBatchNormFunction", "gather_global_stats", "local_moments"]
+__all__ = ["SyncBatchNormFunction", "gather_global_stats", "local_moments", "local_sums"]
+
+
+def _channel_dims(x: torch.Tensor) -> list[int]:
+    """Every dimension but the channels (dim 1): the ones BatchNorm reduces over."""
+    return [0, *range(2, x.dim())]
+
+
+def _fused(x: torch.Tensor, fused: bool | None) -> bool:
+    """Whether to use BatchNorm's fused CPU kernels: as asked, else on CPU only."""
+    return x.device.type == "cpu" if fused is None else fused
 
 
 def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -35,29 +45,41 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """This rank's per-channel mean, centred sum of squares and count (zeros for an empty batch)."""
+def local_moments(x: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's per-channel mean, centred sum of squares and count (zeros for an empty batch).
+
+    ``fused`` (default: on CPU) picks BatchNorm's statistics kernel over ``var_mean``.
+    """
     count = x.numel() // x.size(1)
     acc = _accumulate_dtype(x.dtype)
     if count == 0:
         zeros = torch.zeros(x.size(1), dtype=acc, device=x.device)
         return zeros, zeros.clone(), 0
-    # BatchNorm's own statistics kernel (CPU and CUDA; the biased variance): one pass, where var_mean
-    # over (N, H, W) is 4x slower on CPU, 25x for channels_last
-    mean, var = torch.batch_norm_update_stats(x.to(acc), None, None, 0.0)
+    if _fused(x, fused):
+        # BatchNorm's own statistics kernel (the biased variance): one pass, where var_mean over
+        # (N, H, W) is 4x slower on CPU, 25x for channels_last. Other devices keep var_mean, the
+        # path checked against torch's SyncBatchNorm on a GPU.
+        mean, var = torch.batch_norm_update_stats(x.to(acc), None, None, 0.0)
+    else:
+        var, mean = torch.var_mean(x.to(acc), dim=_channel_dims(x), correction=0)
     return mean, var * count, count
 
 
-def _local_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's per-channel ``sum(dy)`` and ``sum(dy * (x - mean)) * invstd``, in one fused pass.
+def local_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor,
+               eps: float, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's per-channel ``sum(dy)`` and ``sum(dy * (x - mean)) * invstd``.
 
-    BatchNorm's backward kernel in eval mode (``train=False``) takes ``mean`` and ``var`` as constants,
-    so its bias and weight gradients are exactly these two sums.
+    On CPU in one fused pass: BatchNorm's backward kernel in eval mode (``train=False``) takes ``mean``
+    and ``var`` as constants, so its bias and weight gradients are exactly these two sums (3x faster
+    than the plain ops). CUDA's kernel refuses that call (no weight, no saved statistics), so other
+    devices take the plain ops. ``fused`` (default: on CPU) picks the kernel.
     """
-    _, weighted, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy, x, None, mean, var, None, None, False, eps, [False, True, True])
-    return sum_dy, weighted
+    if _fused(x, fused):
+        _, weighted, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, None, mean, var, None, None, False, eps, [False, True, True])
+        return sum_dy, weighted
+    dims = _channel_dims(x)
+    return dy.sum(dims), (dy * (x - _per_channel(mean, x.dim()))).sum(dims) * invstd
 
 
 def gather_global_stats(x: torch.Tensor, group: dist.ProcessGroup, world_size: int
@@ -137,7 +159,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         if input.numel() > 0:
             dy, x = grad_output.to(mean.dtype), input.to(mean.dtype)
-            sum_dy, sum_dy_xhat = _local_sums(dy, x, mean, var, ctx.eps)
+            sum_dy, sum_dy_xhat = local_sums(dy, x, mean, var, invstd, ctx.eps)
         else:
             sum_dy = sum_dy_xhat = torch.zeros(channels, dtype=mean.dtype, device=input.device)
         grad_input = grad_weight = grad_bias = None

@@ -17,6 +17,7 @@ from ranks import run_ranks
 from torch import nn
 
 import ddpkit
+from ddpkit.ddp.sync_batchnorm_function import local_moments, local_sums
 
 C = 4
 _BATCHNORM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -199,6 +200,28 @@ def test_a_global_batch_of_one_raises_on_every_rank_and_an_empty_one_changes_not
         assert shape == (0, C, 3)
         torch.testing.assert_close((mean, var), (reference.running_mean, reference.running_var), atol=0, rtol=0)
         torch.testing.assert_close(weight_grad, torch.zeros(C), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_fused_cpu_kernels_equal_the_plain_ops_that_other_devices_use(channels_last: bool):
+    """The GPU path (var_mean and plain sums) is checked here on CPU, against the fused CPU kernels
+    and a float64 hand computation."""
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(6, C, 5, 7, generator=g) * 3 + 2, torch.randn(6, C, 5, 7, generator=g)
+    if channels_last:
+        x, dy = x.contiguous(memory_format=torch.channels_last), dy.contiguous(memory_format=torch.channels_last)
+    x64, dy64 = x.double(), dy.double()
+    mean64 = x64.mean((0, 2, 3))
+    m2_64 = ((x64 - mean64.view(1, -1, 1, 1)) ** 2).sum((0, 2, 3))
+    invstd64 = (m2_64 / 210 + 1e-5).rsqrt()
+    sums64 = (dy64.sum((0, 2, 3)), (dy64 * (x64 - mean64.view(1, -1, 1, 1))).sum((0, 2, 3)) * invstd64)
+    for fused in (True, False):
+        mean, m2, count = local_moments(x, fused=fused)
+        assert count == 6 * 5 * 7
+        torch.testing.assert_close((mean.double(), m2.double()), (mean64, m2_64), atol=1e-4, rtol=1e-5)
+        var = m2 / count
+        sums = local_sums(dy, x, mean, var, (var + 1e-5).rsqrt(), 1e-5, fused=fused)
+        torch.testing.assert_close(tuple(t.double() for t in sums), sums64, atol=1e-4, rtol=1e-5)
 
 
 def test_world_of_one_is_plain_batchnorm():
