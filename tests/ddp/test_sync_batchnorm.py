@@ -322,6 +322,7 @@ def test_constructor_is_torchs():
         return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
 
     assert arguments(ddpkit.SyncBatchNorm) == arguments(nn.SyncBatchNorm)
+    assert "SyncBatchNorm" in ddpkit.__all__ and ddpkit.SyncBatchNorm is ddpkit.ddp.SyncBatchNorm
     bias_free = ddpkit.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(3, bias=False))
     assert bias_free.bias is None and bias_free.weight is not None
     with pytest.raises(ValueError, match="expected at least 2D input"):
