@@ -18,7 +18,7 @@ with warnings.catch_warnings():  # torch warns at import when numpy is missing; 
 # and its four primitives), ddp (DistributedDataParallel), checkpoint; launch and bench load lazily.
 from ddpkit import comm, env, errors, hooks
 from ddpkit.checkpoint import load, save
-from ddpkit.ddp import DDP, DistributedDataParallel
+from ddpkit.ddp import DDP, DistributedDataParallel, SyncBatchNorm
 from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
 from ddpkit.errors import (
     CheckpointSaveError,
@@ -62,7 +62,7 @@ __all__ = [
     "broadcast", "broadcast_object", "data_parallel", "detect", "expand_hostlist", "gather",
     "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
     "is_main_process", "load", "parallel_apply", "parallelize", "print", "reduce_scatter",
-    "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "__version__",
+    "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "SyncBatchNorm", "__version__",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
     "errors", "CheckpointSaveError", "CommHookError", "LauncherVariableError", "NotInitializedError",
     "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",

@@ -9,12 +9,15 @@ and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook
 shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
 ``autograd_engine`` holds the private autograd calls, each with its reason. ``checkpoint_keys``
 gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here.
+``sync_batchnorm`` is SyncBatchNorm (statistics over every rank's batch, on CPU too), its autograd
+Function in ``sync_batchnorm_function``.
 """
 from __future__ import annotations
 
 from ddpkit.ddp import checkpoint_keys, hooks
 from ddpkit.ddp.distributed import DDP, DistributedDataParallel
+from ddpkit.ddp.sync_batchnorm import SyncBatchNorm
 
 checkpoint_keys.install()
 
-__all__ = ["DDP", "DistributedDataParallel", "hooks"]
+__all__ = ["DDP", "DistributedDataParallel", "SyncBatchNorm", "hooks"]
