@@ -81,6 +81,8 @@ class Collectives:
         Gloo runs each collective on one of its two worker threads; two halves keep both busy
         (see Note [Gloo halves] in docs/design.md).
         """
+        if bucket.sparse:  # a sparse gradient goes as it is, its status flag beside it
+            return _AllWorks(bucket.all_reduce(self.group))
         flat = bucket.flat
         if self.split_large and flat.numel() * flat.element_size() >= self.split_bytes:
             return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ddpkit.ddp import options
-from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_sparse_gradients, refuse_uninitialized
+from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_flags
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
@@ -92,8 +92,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce(delayed_too=bool(delayed))
-            if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
-                refuse_sparse_gradients(module, self.parameters_to_ignore)
             handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
@@ -149,7 +147,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                        find_unused_parameters=self.find_unused_parameters,
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
                        static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
-                       skip_unused=self.skip_all_reduce_unused_params, **self._reducer_options)
+                       skip_unused=self.skip_all_reduce_unused_params,
+                       sparse=sparse_gradient_flags(self.module, [n for n, _ in named]), **self._reducer_options)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore

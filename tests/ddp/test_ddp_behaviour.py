@@ -188,8 +188,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
                "[4, 4] (float32, requires_grad=False)" in out["frozen"], out["frozen"]
         assert "doesn't have any parameter that requires a gradient" in out["frozen_here"]
         assert "DistributedDataParallel wraps a torch.nn.Module, got str" in out["not_a_module"]
-        assert "dense gradients only, but '0.weight' gets sparse ones (Embedding(sparse=True)). " \
-               "HINT: build it with sparse=False" in out["sparse"], out["sparse"]
+        assert out["sparse"] is None, out["sparse"]  # averaged in a bucket of its own (test_sparse.py)
         assert out["sparse_ignored"] is None
         if rank == 0:
             assert out["frozen_here"].startswith("DistributedDataParallel could not be built on rank 1")
