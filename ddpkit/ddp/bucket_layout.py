@@ -134,7 +134,7 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
         return assign_buckets(params, registration, cap, caps=cap_list, sparse=sparse)[::-1]
     if not hooked:
         groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked),
-                                sparse=sparse, in_closing_order=any(sparse))
+                                sparse=sparse)
         return [sorted(indices) for indices in groups]
     if rebuilt_later:
         return assign_buckets(params, registration, sys.maxsize, sys.maxsize, sparse=sparse)[::-1]

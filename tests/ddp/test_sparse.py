@@ -166,3 +166,23 @@ def test_a_hooks_result_must_be_sparse_and_shaped_as_the_gradient():
         bucket.take_result(torch.zeros(6, 3), "'h'", rank=0)
     bucket.take_result(empty_sparse_like(emb.weight), "'h'", rank=0)
     assert emb.weight.grad._nnz() == 0
+
+
+def _missing_worker() -> str:
+    """The first iteration: the sparse bucket goes last, so the status flag goes beside it."""
+    import ddpkit
+
+    torch.manual_seed(0)
+    ddp = ddpkit.DDP(_Model())
+    assert ddp.reducer.buckets[-1].sparse and ddp.reducer.buckets[-1].flag is not None
+    try:
+        ddp(torch.randint(0, 20, (5, 3)), use_emb=dist.get_rank() == 0).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_missing_gradient_raises_on_every_rank_when_the_last_bucket_is_sparse():
+    results = run_ranks(_missing_worker, 2, timeout=60)
+    for message in results:
+        assert "emb.weight" in message and "rank 1" in message, message
