@@ -15,7 +15,7 @@ from ddpkit.dp.devices import as_device
 from ddpkit.errors import explain
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
-           "refuse_uninitialized", "sparse_gradient_flags"]
+           "refuse_uninitialized", "sparse_gradient_names"]
 
 _MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -76,15 +76,15 @@ def refuse_uninitialized(module: nn.Module) -> None:
                 "run one forward pass on a sample batch before wrapping the model."))
 
 
-def sparse_gradient_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
-    """Which of the parameters ``names`` get sparse gradients, by torch's rule: those of an
-    ``nn.Embedding`` or ``nn.EmbeddingBag`` built with sparse=True. Each gets a bucket of its own
-    (see Note [Sparse gradients] in docs/design.md)."""
+def sparse_gradient_names(module: nn.Module, names: Sequence[str]) -> list[str | None]:
+    """Per parameter of ``names``, its name if it gets sparse gradients, else None. torch's rule:
+    those of an ``nn.Embedding`` or ``nn.EmbeddingBag`` built with sparse=True. Each gets a bucket
+    of its own, which names it in errors (see Note [Sparse gradients] in docs/design.md)."""
     sparse = {f"{prefix}.{name}" if prefix else name: True
               for prefix, child in module.named_modules()
               if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
               for name, _ in child.named_parameters(recurse=False)}
-    return [sparse.get(name, False) for name in names]
+    return [name if sparse.get(name) else None for name in names]
 
 
 def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:

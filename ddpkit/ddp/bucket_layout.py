@@ -31,18 +31,20 @@ class BucketLayout:
         cap_list: torch's ``bucket_cap_mb_list`` in bytes (the k-th bucket's cap), or empty.
         like_torch: torch's layout even without a comm hook (skip_all_reduce_unused_params skips
             the buckets torch would).
-        sparse: per parameter, whether its gradients are sparse: a ``SparseBucket`` of its own.
+        sparse: per parameter, its name if its gradients are sparse (a ``SparseBucket`` of its own,
+            which names it in errors), else None.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
-                 like_torch: bool = False, sparse: Sequence[bool] = ()):
+                 like_torch: bool = False, sparse: Sequence[str | None] = ()):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
-        self.sparse = list(sparse) if any(sparse) else []
+        self.sparse_names = list(sparse)
+        self.sparse = [name is not None for name in sparse] if any(name is not None for name in sparse) else []
         self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
         self.rebuilt = not rebuild
         # the order gradients became ready in, recorded while a rebuild is to come
@@ -85,6 +87,8 @@ class BucketLayout:
         for b in self.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.index()
+            if b.sparse:
+                b.name = self.sparse_names[b.param_indices[0]]
         self.counts = [len(b.params) for b in self.buckets]
         # a big gradient is scaled into its slot by its own hook, while still in cache; with
         # gradient_as_bucket_view it is already there. See Note [Big gradients] in docs/design.md

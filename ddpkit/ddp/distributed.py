@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ddpkit.ddp import options
-from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_flags
+from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_names
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
@@ -148,7 +148,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
                        static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
                        skip_unused=self.skip_all_reduce_unused_params,
-                       sparse=sparse_gradient_flags(self.module, [n for n, _ in named]), **self._reducer_options)
+                       sparse=sparse_gradient_names(self.module, [n for n, _ in named]), **self._reducer_options)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore

@@ -56,7 +56,7 @@ class Reducer:
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
-                 cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[bool] = ()):
+                 cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = ()):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group

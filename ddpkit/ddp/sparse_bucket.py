@@ -50,6 +50,7 @@ class SparseBucket:
         self.grad: torch.Tensor | None = None  # the sparse gradient reduced this iteration
         self._buffer: torch.Tensor | None = None
         self.had_grad = True
+        self.name = f"parameter #{param_indices[0]}"  # the layout gives the parameter's own name
         self.grads: list[torch.Tensor | None] = []
 
     def fill(self, scale: float | None, as_view: bool, copied: Sequence[bool]) -> None:
@@ -62,10 +63,10 @@ class SparseBucket:
             grad = empty_sparse_like(param)
         elif not grad.is_sparse:
             raise TypeError(explain(
-                f"parameter #{self.param_indices[0]} (shape {list(param.shape)}) belongs to a sparse "
-                f"embedding, but its .grad is a dense tensor ({grad.layout}).",
+                f"{self.name!r} belongs to a sparse embedding, but its .grad is a dense tensor "
+                f"({grad.layout}, shape {list(grad.shape)}).",
                 "leave its gradient sparse (a post-accumulate-grad hook must not densify it), or "
-                "build the embedding with sparse=False."))
+                "build the embedding with sparse=False.", who="DistributedDataParallel", rank=dist.get_rank()))
         elif scale is not None:
             with torch.no_grad():
                 grad.mul_(scale)
@@ -89,6 +90,7 @@ class SparseBucket:
         """The bucket a joined rank contributes: a sparse gradient of zeros."""
         zeros = SparseBucket(self._index, self.params, self.param_indices, self._is_last, self.flat.numel())
         zeros.grad = zeros._buffer = empty_sparse_like(self.params[0])
+        zeros.name = self.name
         return zeros
 
     # ---- torch's GradBucket interface, for comm hooks ----

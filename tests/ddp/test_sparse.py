@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ranks import run_ranks
 from torch import nn
 
-from ddpkit.ddp.arguments import sparse_gradient_flags
+from ddpkit.ddp.arguments import sparse_gradient_names
 from ddpkit.ddp.bucket import assign_buckets
 from ddpkit.ddp.bucket_layout import initial_groups, rebuilt_groups
 from ddpkit.ddp.sparse_bucket import SparseBucket, empty_sparse_like
@@ -39,11 +39,11 @@ def test_a_sparse_parameter_gets_a_bucket_of_its_own_as_torch_assigns_it(seed, f
     assert rebuilt_groups(params, order, cap, first_cap, hooked=True, sparse=sparse) == rebuilt
 
 
-def test_the_flags_follow_torchs_rule_sparse_embeddings_only():
+def test_sparse_gradients_follow_torchs_rule_sparse_embeddings_only():
     model = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.EmbeddingBag(5, 2, sparse=True),
                           nn.Embedding(5, 2), nn.Linear(2, 2))
     names = [n for n, _ in model.named_parameters()]
-    assert sparse_gradient_flags(model, names) == [True, True, False, False, False]
+    assert sparse_gradient_names(model, names) == ["0.weight", "1.weight", None, None, None]
 
 
 def test_a_joined_ranks_sparse_bucket_holds_zeros_shaped_as_an_embeddings_gradient():
@@ -149,7 +149,8 @@ def _dense_grad_worker() -> str:
 
 def test_a_sparse_embeddings_gradient_made_dense_raises_naming_it():
     for message in run_ranks(_dense_grad_worker, 2, timeout=60):
-        assert "belongs to a sparse embedding, but its .grad is a dense tensor (torch.strided)" in message, message
+        assert "on rank " in message and "'emb.weight' belongs to a sparse embedding, but its .grad is a " \
+               "dense tensor (torch.strided, shape [20, 4])" in message, message
         assert "HINT: leave its gradient sparse" in message
 
 
