@@ -184,6 +184,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("sparse_embedding_join_divide_by_active_ranks", model="sparse", uneven=True,
            join={"divide_by_initial_world_size": False}),
     Config("sparse_embedding_allreduce_hook", model="sparse", hook="allreduce_hook"),
+    Config("sparse_embedding_join_allreduce_hook", model="sparse", uneven=True, hook="allreduce_hook"),
     # the hook sees the sparse bucket, and torch's buckets around it, before and after the rebuild
     Config("sparse_embedding_bucket_norm_hook", model="sparse", hook="bucket_norm",
            kwargs={"bucket_cap_mb": 0.0002}),
