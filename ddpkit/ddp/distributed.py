@@ -23,15 +23,16 @@ from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, default_group, verify_same_tensors
-from ddpkit.errors import CommHookError, explain
+from ddpkit.ddp.state_sync import broadcast_coalesced, verify_same_tensors
+from ddpkit.errors import CommHookError
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(nn.Module, JoinSupport):
+class DistributedDataParallel(PicklingSupport, JoinSupport):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -181,28 +182,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         if self.reducer is not None:
             self.reducer.set_static_graph()
         self.static_graph = True
-
-    # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's rule: without the process group and the reducer, which the copy makes anew."""
-        if self.process_group is not default_group():
-            raise RuntimeError(explain(
-                "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
-                "process group (the copy joins the default group).",
-                "copy or save its .module and wrap that in a new DistributedDataParallel."))
-        if self._delayed is not None:
-            raise NotImplementedError("DistributedDataParallel with delay_all_reduce_named_params cannot be "
-                                      "pickled or deep-copied. HINT: copy or save its .module instead.")
-        state = super().__getstate__()
-        del state["process_group"], state["reducer"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """The copy averages its own parameters' gradients over the default group; its comm hook,
-        as in torch, is not carried over."""
-        super().__setstate__(state)
-        self._join_group(default_group())
-        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
