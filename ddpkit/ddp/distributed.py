@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Join
 from ddpkit.ddp import options
 from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_sparse_gradients, refuse_uninitialized
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
+from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
@@ -184,12 +185,15 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
         self.static_graph = True
 
     # ---- forward -------------------------------------------------------------------------------
+    @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = self._pre_forward(inputs, kwargs)
-            output = self.module(*inputs, **kwargs)
+            with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
+                output = self.module(*inputs, **kwargs)
             return self._post_forward(output)
 
+    @bookkeeping
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
@@ -209,6 +213,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         return inputs, kwargs
 
+    @bookkeeping
     def _post_forward(self, output: Any) -> Any:
         if self._delayed is not None:
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
