@@ -174,6 +174,9 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
         """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
         later: not broadcast, not checked across ranks, not averaged."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:  # torch's mark: Dynamo's DDPOptimizer leaves
+                tensor._ddp_ignored = True             # them out of the buckets it splits the graph at
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction, before the first forward (torch's call)."""
