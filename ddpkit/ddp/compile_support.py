@@ -6,12 +6,11 @@
 Two things make the compiled backward overlap the all-reduces as it does for torch's DDP:
 
 * **Eager bookkeeping.** ``eager`` marks DDP's forward for Dynamo to skip, and only it: what it
-  calls (the wrapped module) is still compiled. The pre/post-forward bookkeeping (reducer state,
-  Join, buffer broadcast, hooks on the outputs) is Python that reads ``grad_fn`` and calls
-  collectives; traced, it broke the graph six times and warned on every rank, so ``bookkeeping``
-  keeps Dynamo out of it and of everything it calls, as torch's C++ reducer is out of its reach. torch marks its own
-  ``_inside_ddp_forward`` the same way (``torch._disable_dynamo(recursive=False)``, which imports
-  Dynamo on its first call only).
+  calls (the wrapped module) is still compiled; torch marks its own ``_inside_ddp_forward`` so
+  (``torch._disable_dynamo(recursive=False)``, which imports Dynamo on its first call). The
+  pre/post-forward bookkeeping (reducer state, Join, buffer broadcast, hooks on the outputs) reads
+  ``grad_fn`` and calls collectives; traced, it broke the graph six times and warned on every
+  rank. ``bookkeeping`` keeps Dynamo out of it and all it calls, as torch's C++ reducer is.
 * **DDPOptimizer.** When Dynamo compiles a frame it asks ``DistributedDataParallel.
   _get_active_ddp_module()`` (torch's class) whether a DDP forward is running; if one is, its
   DDPOptimizer splits the graph at bucket boundaries of ``bucket_bytes_cap`` bytes, so each bucket's
@@ -20,9 +19,9 @@ Two things make the compiled backward overlap the all-reduces as it does for tor
   ``_active_ddp_module``, which torch's DDP sets around its module's forward and restores after.
   ``inside_ddp_forward`` sets it to ddpkit's DDP the same way: torch's DDP is neither subclassed
   nor constructed, and a torch DDP forward nested inside (or around) restores it as its own does.
-  Dynamo reads the attribute through that classmethod (torch 2.13, and the releases since DDPOptimizer
-  came, 2.0); a torch without either (``ADAPTED`` False) is left alone, and a compiled module in
-  ddpkit's DDP is then one graph whose gradients all become ready at its end.
+  Dynamo reads the attribute through that classmethod (checked on torch 2.13); a torch without
+  either (``ADAPTED`` False) is left alone, and a compiled module in ddpkit's DDP is then one
+  graph whose gradients all become ready at its end.
 """
 from __future__ import annotations
 
