@@ -9,7 +9,6 @@ and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.di
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
@@ -26,12 +25,13 @@ from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, default_group, verify_same_tensors
+from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(nn.Module, JoinSupport):
+class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -165,22 +165,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def _broadcast_states(self, src: int, buffers: bool) -> None:
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
-
-    # ---- torch's private configuration calls, which its own error messages recommend --------
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
-        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
-        later: not broadcast, not checked across ranks, not averaged."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-
-    def _set_static_graph(self) -> None:
-        """``static_graph=True`` after construction, before the first forward (torch's call)."""
-        if self.static_graph:
-            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.", stacklevel=2)
-            return
-        if self.reducer is not None:
-            self.reducer.set_static_graph()
-        self.static_graph = True
 
     # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
     def __getstate__(self) -> dict[str, Any]:
