@@ -100,6 +100,7 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
             self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))
             if self.bucket_bytes_cap_list:  # torch: the largest is the cap, and no small first bucket
                 self.bucket_bytes_cap = self._first_bucket_bytes = max(self.bucket_bytes_cap_list)
+            self._set_torch_attributes(handled)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         # torch's init_sync=False: no check across ranks and no broadcast, the caller's promise that
