@@ -140,8 +140,8 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named and not delayed_too:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
-                               "parameter that requires a gradient.")
+            raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               f"that requires a gradient (rank {self.rank}: none of its requires_grad).")
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
@@ -172,6 +172,7 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
         """torch's rule: without the process group and the reducer, which the copy makes anew."""
         if self.process_group is not default_group():
             raise RuntimeError(explain(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group: "
                 "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
                 "process group (the copy joins the default group).",
                 "copy or save its .module and wrap that in a new DistributedDataParallel."))
@@ -270,7 +271,8 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
-            raise CommHookError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.",
+            raise CommHookError(f"Communication hook must be callable: hook(state, bucket) on rank {self.rank}, "
+                                f"got {type(hook).__name__}.",
                                 rank=self.rank, hook=type(hook).__name__)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the

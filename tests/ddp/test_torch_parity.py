@@ -155,3 +155,130 @@ def test_private_members_answer_or_refuse_clearly():
         assert f"on rank {rank}: _register_fused_optim(SGD) is not implemented" in out["fused"]
         torch_warning, ddpkit_warning = out["static_warnings"]
         assert torch_warning in ddpkit_warning
+
+
+# ---- torch's words in ddpkit's errors -----------------------------------------------------------
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+class _CheckpointedTwice(nn.Module):
+    """One layer under two reentrant checkpoints: its gradients arrive in two reentrant backwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.a, checkpoint(self.a, x, use_reentrant=True), use_reentrant=True)
+
+
+def _returns_tensor(state, bucket):
+    return bucket.buffer()
+
+
+def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or ddpkit's
+    rank, x = dist.get_rank(), torch.ones(1, 2, requires_grad=True)
+    if kind == "unused":
+        ddp = DDP(_HalfUsed())
+        for _ in range(2):
+            ddp(x).sum().backward()
+    elif kind == "marked_twice":
+        ddp = DDP(_CheckpointedTwice(), find_unused_parameters=True)  # kept: torch's holds itself weakly
+        ddp(x).sum().backward()
+    elif kind == "hook_twice":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.register_comm_hook(None, allreduce_hook)
+        ddp.register_comm_hook(None, allreduce_hook)
+    elif kind == "hook_returns_tensor":
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.register_comm_hook(None, _returns_tensor)
+        ddp(x).sum().backward()
+    elif kind == "hook_not_callable":
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, 3)
+    elif kind == "device_ids_on_cpu":
+        DDP(nn.Linear(2, 2), device_ids=[0])
+    elif kind == "two_device_ids":
+        DDP(nn.Linear(2, 2), device_ids=[0, 1])
+    elif kind == "nothing_to_train":
+        DDP(nn.Linear(2, 2).requires_grad_(False))
+    elif kind == "models_differ":
+        DDP(nn.Sequential(*[nn.Linear(2, 2) for _ in range(1 + rank)]))
+    elif kind == "static_graph_late":
+        ddp = DDP(nn.Linear(2, 2))
+        ddp(x).sum().backward()
+        ddp._set_static_graph()
+    elif kind == "join_exhausted":
+        ddp = DDP(nn.Linear(2, 2))
+        with ddp.join(throw_on_early_termination=True):
+            for _ in range(1 + 2 * rank):
+                ddp(x).sum().backward()
+    elif kind == "pickle_subgroup":
+        copy.deepcopy(DDP(nn.Linear(2, 2), process_group=dist.new_group([0, 1])))
+
+
+def _misuse_worker(kind: str) -> dict:
+    out = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        try:
+            _misuse(kind, DDP)
+            out[who] = None
+        except Exception as e:  # noqa: BLE001 - what each raises is the result
+            facts = {k: v for k, v in vars(e).items() if isinstance(v, (int, str, dict, bool))}
+            out[who] = ([c.__name__ for c in type(e).__mro__], str(e), facts)
+    return out
+
+
+# kind: (torch's key phrase, whether ddpkit's message names the rank)
+_MISUSES = {
+    "unused": ("your module has parameters that were not used in producing loss", True),
+    "marked_twice": ("Expected to mark a variable ready only once", True),
+    "hook_twice": ("register_comm_hook or register_builtin_comm_hook can only be called once", True),
+    "hook_returns_tensor": ("must return a torch.futures.Future object", True),
+    "hook_not_callable": ("Communication hook must be callable", True),
+    "device_ids_on_cpu": ("DistributedDataParallel device_ids and output_device arguments only work with "
+                          "single-device/multiple-device GPU modules or CPU modules", False),
+    "two_device_ids": ("device_ids can only be None or contain a single element", False),
+    "nothing_to_train": ("DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                         "requires a gradient", True),
+    "models_differ": ("DDP expects same model across all ranks", True),
+    "static_graph_late": ("set_static_graph() should be called before training loop starts and after "
+                          "DistributedDataParallel is constructed", True),
+    "join_exhausted": ("exhausted", False),  # torch's Join speaks for both: the same words
+    "pickle_subgroup": ("DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                        "group", False),
+}
+
+
+@pytest.mark.parametrize("kind", list(_MISUSES))
+def test_misuse_raises_torchs_type_with_torchs_words(kind):
+    phrase, names_rank = _MISUSES[kind]
+    for rank, out in enumerate(run_ranks(_misuse_worker, world_size=2, args=(kind,))):
+        assert out["torch"] is not None and out["ddpkit"] is not None, (rank, out)
+        (torch_mro, torch_message, _), (ddpkit_mro, message, facts) = out["torch"], out["ddpkit"]
+        assert torch_mro[0] in ddpkit_mro, (rank, torch_mro[0], ddpkit_mro)  # the same type, or a subclass
+        assert phrase in torch_message, (rank, torch_message)  # the phrase is torch's
+        assert phrase in message, (rank, message)
+        if names_rank:
+            assert f"rank {rank}" in message or f"Rank {rank}" in message, message
+        if "rank" in facts:
+            assert facts["rank"] == rank
+        if kind == "unused":
+            assert facts["by_rank"] == {0: ["b.weight", "b.bias"], 1: ["b.weight", "b.bias"]}
+            assert "'b.weight', 'b.bias'" in message
+        if kind == "marked_twice":  # torch names the parameter too (with TORCH_DISTRIBUTED_DEBUG unset)
+            assert f"with name {facts['parameter']} has been marked as ready twice" in torch_message
+            assert f"parameter '{facts['parameter']}'" in message
+        if kind == "join_exhausted":
+            assert message == torch_message
+        if kind == "models_differ":
+            assert facts["differing_rank"] == 1 and "'1.weight'" in message
