@@ -244,7 +244,7 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
         return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
 
-    def _sync_buffers(self, active: bool) -> None:
+    def _sync_buffers(self, active: bool = True) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active.
 
         Read afresh each time, as torch does: a module may replace a buffer out of place (an

@@ -86,8 +86,12 @@ class TorchCompat:
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
         """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
-        later: not broadcast, not checked across ranks, not averaged."""
+        later: not broadcast, not checked across ranks, not averaged. As torch, each is marked
+        ``_ddp_ignored`` too, which torch's data-parallel utilities read."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
 
     def _set_static_graph(self) -> None:
         """``static_graph=True`` after construction, before the first forward (torch's call)."""

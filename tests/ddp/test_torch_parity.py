@@ -146,6 +146,19 @@ def _private_worker() -> dict:
         TorchDDP(_model(), static_graph=True)._set_static_graph()
         ddpkit.DistributedDataParallel(_model(), static_graph=True)._set_static_graph()
     out["static_warnings"] = [str(w.message) for w in caught]
+    ignored = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        model = _model()
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["0.bias", "1.running_mean"])
+        ignored[who] = sorted(n for n, t in (*model.named_parameters(), *model.named_buffers())
+                              if getattr(t, "_ddp_ignored", False))
+        ddp = DDP(model)
+        with torch.no_grad():  # different buffers per rank; torch's call with no argument syncs rank 0's
+            for b in ddp.module.buffers():
+                b.fill_(dist.get_rank() + 1)
+        ddp._sync_buffers()
+        out[f"synced {who}"] = {n: b.clone() for n, b in ddp.module.named_buffers()}
+    out["ignored"] = ignored
     return out
 
 
@@ -155,6 +168,12 @@ def test_private_members_answer_or_refuse_clearly():
         assert f"on rank {rank}: _register_fused_optim(SGD) is not implemented" in out["fused"]
         torch_warning, ddpkit_warning = out["static_warnings"]
         assert torch_warning in ddpkit_warning
+        assert out["ignored"]["ddpkit"] == out["ignored"]["torch"] == ["0.bias", "1.running_mean"]
+        after_torch, after_ddpkit = out["synced torch"], out["synced ddpkit"]
+        assert list(after_torch) == list(after_ddpkit)
+        for name, value in after_torch.items():  # the ignored buffer keeps this rank's value in both
+            assert torch.equal(after_ddpkit[name], value), (rank, name)
+        assert after_ddpkit["1.running_var"].eq(1).all() and after_ddpkit["1.running_mean"].eq(rank + 1).all()
 
 
 # ---- torch's words in ddpkit's errors -----------------------------------------------------------
