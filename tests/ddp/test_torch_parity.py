@@ -301,3 +301,28 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
             assert message == torch_message
         if kind == "models_differ":
             assert facts["differing_rank"] == 1 and "'1.weight'" in message
+
+
+def _late_hook_worker() -> dict:
+    """torch accepts a comm hook after training started (no error, no warning): so must ddpkit."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    grads = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        ddp = DDP(_model())
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(3):
+                if step == 1:
+                    ddp.register_comm_hook(None, allreduce_hook)
+                ddp.zero_grad()
+                ddp(x).sum().backward()
+        grads[who] = [p.grad.clone() for p in ddp.parameters()]
+    return grads
+
+
+def test_comm_hook_registered_after_training_started_averages_as_torch():
+    for out in run_ranks(_late_hook_worker, world_size=2):
+        for a, b in zip(out["ddpkit"], out["torch"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
