@@ -170,7 +170,7 @@ def test_a_hook_that_is_not_callable_is_a_comm_hook_error():
     with pytest.raises(CommHookError) as caught:
         ddpkit.DDP(_Net()).register_comm_hook(None, 3)
     assert (caught.value.rank, caught.value.hook) == (0, "int")
-    assert str(caught.value) == "Communication hook must be callable: hook(state, bucket) on rank 0, got int."
+    assert str(caught.value) == "Communication hook must be callable as hook(state, bucket), but rank 0 got int."
 
 
 

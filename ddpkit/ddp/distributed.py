@@ -271,8 +271,8 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
-            raise CommHookError(f"Communication hook must be callable: hook(state, bucket) on rank {self.rank}, "
-                                f"got {type(hook).__name__}.",
+            raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
+                                f"{self.rank} got {type(hook).__name__}.",
                                 rank=self.rank, hook=type(hook).__name__)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.ddp.outputs import to_device
 from ddpkit.dp.scatter_gather import gather, scatter_kwargs
 from ddpkit.errors import explain
 
@@ -70,8 +71,6 @@ class TorchCompat:
     def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple]:
         """``inputs`` and ``kwargs`` moved to device ``device_id`` of this DDP's type, as torch's
         ``([inputs], [kwargs])`` tuples (an empty side padded with ``()`` or ``{}``)."""
-        from ddpkit.ddp.outputs import to_device
-
         device = torch.device(self.device_type, device_id)
         moved = [tuple(to_device(tuple(inputs), device))] if inputs else []
         moved_kwargs = [to_device(kwargs, device)] if kwargs else []
@@ -87,7 +86,7 @@ class TorchCompat:
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
         """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
         later: not broadcast, not checked across ranks, not averaged. As torch, each is marked
-        ``_ddp_ignored`` too, which torch's data-parallel utilities read."""
+        ``_ddp_ignored`` too, which torch.compile's DDPOptimizer reads to leave it out of its buckets."""
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
         for name, tensor in (*module.named_parameters(), *module.named_buffers()):
             if name in params_and_buffers_to_ignore:
