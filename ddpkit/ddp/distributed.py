@@ -140,8 +140,10 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named and not delayed_too:
-            raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter "
-                               f"that requires a gradient (rank {self.rank}: none of its requires_grad).")
+            raise RuntimeError(explain(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                f"a gradient (on rank {self.rank}, none of its parameters requires one, or all are ignored).",
+                "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
