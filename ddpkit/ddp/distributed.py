@@ -19,19 +19,21 @@ from torch.distributed.algorithms.join import Join
 from ddpkit.ddp import options
 from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_sparse_gradients, refuse_uninitialized
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
+from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, default_group, verify_same_tensors
+from ddpkit.ddp.state_sync import broadcast_coalesced, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
+class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -169,36 +171,16 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
 
-    # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's rule: without the process group and the reducer, which the copy makes anew."""
-        if self.process_group is not default_group():
-            raise RuntimeError(explain(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default process group: "
-                "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
-                "process group (the copy joins the default group).",
-                "copy or save its .module and wrap that in a new DistributedDataParallel."))
-        if self._delayed is not None:
-            raise NotImplementedError("DistributedDataParallel with delay_all_reduce_named_params cannot be "
-                                      "pickled or deep-copied. HINT: copy or save its .module instead.")
-        state = super().__getstate__()
-        del state["process_group"], state["reducer"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """The copy averages its own parameters' gradients over the default group; its comm hook,
-        as in torch, is not carried over."""
-        super().__setstate__(state)
-        self._join_group(default_group())
-        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
-
     # ---- forward -------------------------------------------------------------------------------
+    @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = self._pre_forward(inputs, kwargs)
-            output = self.module(*inputs, **kwargs)
+            with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
+                output = self.module(*inputs, **kwargs)
             return self._post_forward(output)
 
+    @bookkeeping
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
@@ -218,6 +200,7 @@ class DistributedDataParallel(nn.Module, JoinSupport, TorchCompat):
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         return inputs, kwargs
 
+    @bookkeeping
     def _post_forward(self, output: Any) -> Any:
         if self._delayed is not None:
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
