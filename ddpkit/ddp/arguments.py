@@ -55,6 +55,8 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     if not device_ids or types[0] == "cpu" or len(devices) > 1:
         if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
             raise ValueError(explain(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device/multiple-device GPU modules or CPU modules: "
                 f"device_ids={device_ids} and output_device={output_device} only apply to a module "
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
                 "leave device_ids and output_device as None for CPU or multi-device modules."))

@@ -9,7 +9,6 @@ and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.di
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
@@ -28,12 +27,13 @@ from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, verify_same_tensors
-from ddpkit.errors import CommHookError
+from ddpkit.ddp.torch_compat import TorchCompat
+from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(PicklingSupport, JoinSupport):
+class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -100,6 +100,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
             self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))
             if self.bucket_bytes_cap_list:  # torch: the largest is the cap, and no small first bucket
                 self.bucket_bytes_cap = self._first_bucket_bytes = max(self.bucket_bytes_cap_list)
+            self._set_torch_attributes(handled)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         # torch's init_sync=False: no check across ranks and no broadcast, the caller's promise that
@@ -139,8 +140,10 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named and not delayed_too:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
-                               "parameter that requires a gradient.")
+            raise RuntimeError(explain(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                f"a gradient (on rank {self.rank}, none of its parameters requires one, or all are ignored).",
+                "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
@@ -166,25 +169,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
     def _broadcast_states(self, src: int, buffers: bool) -> None:
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
-
-    # ---- torch's private configuration calls, which its own error messages recommend --------
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
-        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
-        later: not broadcast, not checked across ranks, not averaged."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-            if name in params_and_buffers_to_ignore:  # torch's mark: Dynamo's DDPOptimizer leaves
-                tensor._ddp_ignored = True             # them out of the buckets it splits the graph at
-
-    def _set_static_graph(self) -> None:
-        """``static_graph=True`` after construction, before the first forward (torch's call)."""
-        if self.static_graph:
-            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.", stacklevel=2)
-            return
-        if self.reducer is not None:
-            self.reducer.set_static_graph()
-        self.static_graph = True
 
     # ---- forward -------------------------------------------------------------------------------
     @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
@@ -244,7 +228,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
         return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
 
-    def _sync_buffers(self, active: bool) -> None:
+    def _sync_buffers(self, active: bool = True) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active.
 
         Read afresh each time, as torch does: a module may replace a buffer out of place (an
@@ -271,7 +255,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
-            raise CommHookError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.",
+            raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
+                                f"{self.rank} got {type(hook).__name__}.",
                                 rank=self.rank, hook=type(hook).__name__)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the

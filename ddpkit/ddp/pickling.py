@@ -21,6 +21,7 @@ class PicklingSupport(nn.Module):
         """torch's rule: without the process group and the reducer, which the copy makes anew."""
         if self.process_group is not default_group():
             raise RuntimeError(explain(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group: "
                 "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
                 "process group (the copy joins the default group).",
                 "copy or save its .module and wrap that in a new DistributedDataParallel."))
