@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
+from ddpkit.ddp import mixed_precision as mp
 from ddpkit.ddp import options
 from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_names
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
@@ -65,7 +66,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         JoinSupport.__init__(self)
         # torch 2.13's arguments, resolved as torch does: see ddpkit.ddp.options and docs/torch-compat.md
         options.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        options.refuse_unimplemented(mixed_precision)
         options.warn_check_reduction(check_reduction)
         buffer_sync = options.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.module, self.dim = module, dim
@@ -75,7 +75,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy  # ddpkit always batches small copies (Note [Big gradients])
-        self.mixed_precision = None
         self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
         # torch's way to keep some parameters and buffers out of DDP: per-rank ones, left alone
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -94,6 +93,9 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce(delayed_too=bool(delayed))
+            self.mixed_precision = mp.resolve_mixed_precision(mixed_precision, self.rank)  # torch's meaning
+            if self.mixed_precision is not None:
+                mp.refuse_compiled(module, self.rank)
             handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
@@ -122,6 +124,11 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             if init_sync:
                 self._broadcast_states(src=0, buffers=buffer_sync.init)
             self.reducer = self._make_reducer(named)
+        if self.mixed_precision is not None:  # after the broadcast, so every rank casts the same values
+            mp.cast_buffers(module, self.mixed_precision, self.parameters_to_ignore)
+            if self.reducer is not None and mp.needs_reduce_hook(self.mixed_precision, self.reducer.params):
+                self.reducer.register_comm_hook((self.process_group, self.mixed_precision.effective_reduce_dtype),
+                                                mp.allreduce_in_dtype_hook)
 
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
                                  lambda self, value: setattr(self, "forward_sync_buffers", value),
@@ -176,7 +183,11 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
-                output = self.module(*inputs, **kwargs)
+                if self.mixed_precision is None:
+                    output = self.module(*inputs, **kwargs)
+                else:  # on copies in param_dtype, made now
+                    output = mp.forward_in_param_dtype(self.module, self.mixed_precision,
+                                                       self.parameters_to_ignore, inputs, kwargs)
             return self._post_forward(output)
 
     @bookkeeping
@@ -258,6 +269,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
                                 f"{self.rank} got {type(hook).__name__}.",
                                 rank=self.rank, hook=type(hook).__name__)
+        if self.mixed_precision is not None and self.reducer is not None:
+            raise mp.refuse_comm_hook(self.rank, hook)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
             # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
