@@ -3,8 +3,8 @@
 torch ships its distributed test suite in ``torch/testing/_internal/distributed/distributed_test.py``
 (class ``DistributedTest._DistTestBase``); torch's CI runs it through ``test/distributed/test_distributed_spawn.py``,
 which mixes it into ``TestDistBackend`` (a ``MultiProcessTestCase``) and spawns one process per rank. This
-script does the same, on Gloo with 2 ranks, for the DDP tests only (names holding ``DistributedDataParallel``
-or ``ddp``, in the name or the body), with ``--ddp ddpkit`` or ``--ddp torch``:
+script does the same, on Gloo with 2 ranks, for the DDP tests only (those whose name or body holds
+``DistributedDataParallel`` or ``ddp``), with ``--ddp ddpkit`` or ``--ddp torch``:
 
     cd <checkout> && PYTHONPATH=$PWD nice -n 19 python3 tests/torch_suite/run.py --ddp ddpkit --out /tmp/ts-ddpkit
     cd <checkout> && PYTHONPATH=$PWD nice -n 19 python3 tests/torch_suite/run.py --ddp torch  --out /tmp/ts-torch
@@ -19,6 +19,8 @@ Results go to ``OUT/results.jsonl``, one line per test as it finishes: status pa
 AssertionError in a rank) / error (any other exception) / timeout / skipped, with the first line of the
 exception or torch's skip reason, the seconds taken and the DDP constructions seen. Tests decorated with
 ``skip_if_lt_x_gpu`` are skipped without spawning (this machine has no GPU; the reason is torch's own wording).
+``--gpu-gated-only`` runs just those, with the ``skip_if_lt_x_gpu`` wrapper taken off in every rank
+(most then fail in torch too: they call CUDA).
 ``-k SUBSTRING`` narrows the selection, ``--timeout`` is the per-test limit (torch's
 ``DISTRIBUTED_TESTS_DEFAULT_TIMEOUT``). Named ``run.py`` so that pytest does not collect it: it needs minutes.
 """
