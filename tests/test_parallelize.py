@@ -87,7 +87,6 @@ def test_local_devices_prefers_named_devices_then_all_gpus_then_none():
 
 @pytest.mark.timeout(30)
 def test_devices_on_cpu_gives_data_parallel_with_the_module_output():
-    pytest.importorskip("ddpkit.dp.data_parallel")
     model = _model()
     wrapped = parallelize(model, devices=["cpu", "cpu"], bucket_cap_mb=1)
     assert isinstance(wrapped, ddpkit.DataParallel) and wrapped.module is model
@@ -97,7 +96,6 @@ def test_devices_on_cpu_gives_data_parallel_with_the_module_output():
 
 @pytest.mark.timeout(60)
 def test_two_ranks_get_ddpkit_ddp_and_stay_in_sync():
-    pytest.importorskip("ddpkit.ddp.distributed")
     results = run_ranks(_parallelize_and_step, world_size=2)
     assert all(r["is_ddpkit"] for r in results), [r["type"] for r in results]
     for a, b in zip(results[0]["params"], results[1]["params"]):
