@@ -121,13 +121,15 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
     assert (saved.path, saved.error) == (f"{tmp_path}/c.pt", "ValueError: this object stays in memory")
     # the exact texts
     assert str(ranks[1]["unused"]) == (
-        "DistributedDataParallel: parameters received no gradient in this backward pass, so their buckets "
-        "could not be averaged (find_unused_parameters=False): rank 0: 'fc.weight' (this is rank 1). HINT: "
+        "DistributedDataParallel: your module has parameters that were not used in producing loss: they "
+        "received no gradient in this backward pass, so their buckets could not be averaged "
+        "(find_unused_parameters=False): rank 0: 'fc.weight' (this is rank 1). HINT: "
         "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the loss) "
         "depends on every parameter; freeze parameters you do not train with requires_grad_(False) before "
         "wrapping the model.")
     assert str(ranks[0]["disagree"]) == (
-        "DistributedDataParallel needs the same parameters and buffers on every rank, but tensor #0 differs: "
+        "DDP expects same model across all ranks: DistributedDataParallel needs the same parameters and "
+        "buffers on every rank, but tensor #0 differs: "
         "rank 0 has 'body.weight' with shape [3, 4] (float32), rank 1 has 'body.weight' with shape [4, 4] "
         "(float32) (this is rank 0). HINT: build the model identically on every rank (same arguments, same "
         "code path) before wrapping it.")
@@ -142,7 +144,8 @@ def test_gradient_errors_name_the_parameter():
     assert type(twice) is SecondGradientError
     assert (twice.rank, twice.parameter, twice.reduced_as_unused) == (0, "fc.weight", False)
     assert str(twice) == (
-        "DistributedDataParallel on rank 0: parameter 'fc.weight' received its gradient twice in one backward "
+        "DistributedDataParallel on rank 0: Expected to mark a variable ready only once, but parameter "
+        "'fc.weight' received its gradient twice in one backward "
         "pass (reentrant checkpointing, or a parameter shared with a module outside this DDP). HINT: use "
         "non-reentrant checkpointing (use_reentrant=False), or static_graph=True if every iteration uses the "
         "parameters alike.")
@@ -167,7 +170,7 @@ def test_a_hook_that_is_not_callable_is_a_comm_hook_error():
     with pytest.raises(CommHookError) as caught:
         ddpkit.DDP(_Net()).register_comm_hook(None, 3)
     assert (caught.value.rank, caught.value.hook) == (0, "int")
-    assert str(caught.value) == "hook must be callable as hook(state, bucket), got int."
+    assert str(caught.value) == "Communication hook must be callable as hook(state, bucket), but rank 0 got int."
 
 
 

@@ -8,7 +8,9 @@ and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook
 ``bucket_layout`` decides which parameters share a ``bucket``. ``join`` lets ranks out of data
 shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
 ``autograd_engine`` holds the private autograd calls, each with its reason. ``checkpoint_keys``
-gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here.
+gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here;
+``compile_support`` gives it Dynamo's treatment of torch's DDP under ``torch.compile``; ``pickling``
+is deepcopy and torch.save of the wrapper.
 ``sync_batchnorm`` is SyncBatchNorm (statistics over every rank's batch, on CPU too), its autograd
 Function in ``sync_batchnorm_function``.
 """

@@ -5,7 +5,7 @@ all on every rank and shares any failure, so that no rank is left waiting for an
 """
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ddpkit.dp.devices import as_device
 from ddpkit.errors import explain
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
-           "refuse_sparse_gradients", "refuse_uninitialized"]
+           "refuse_uninitialized", "sparse_gradient_names"]
 
 _MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -55,6 +55,8 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     if not device_ids or types[0] == "cpu" or len(devices) > 1:
         if device_ids or output_device:  # torch's test: an output_device of 0 passes, unused
             raise ValueError(explain(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device/multiple-device GPU modules or CPU modules: "
                 f"device_ids={device_ids} and output_device={output_device} only apply to a module "
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
                 "leave device_ids and output_device as None for CPU or multi-device modules."))
@@ -76,18 +78,15 @@ def refuse_uninitialized(module: nn.Module) -> None:
                 "run one forward pass on a sample batch before wrapping the model."))
 
 
-def refuse_sparse_gradients(module: nn.Module, ignored: Collection[str] = ()) -> None:
-    """Sparse gradients (torch's rule: an embedding built with sparse=True) have no flat bucket;
-    ``ignored``: parameter names DDP leaves alone."""
-    for name, child in module.named_modules():
-        where = f"{name}.weight" if name else "weight"
-        if (isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
-                and child.weight.requires_grad and where not in ignored):
-            raise NotImplementedError(explain(
-                f"DistributedDataParallel averages dense gradients only, but {where!r} gets sparse "
-                f"ones ({type(child).__name__}(sparse=True)).",
-                "build it with sparse=False, or use torch.nn.parallel.DistributedDataParallel, which "
-                "averages sparse gradients."))
+def sparse_gradient_names(module: nn.Module, names: Sequence[str]) -> list[str | None]:
+    """Per parameter of ``names``, its name if it gets sparse gradients, else None. torch's rule:
+    those of an ``nn.Embedding`` or ``nn.EmbeddingBag`` built with sparse=True. Each gets a bucket
+    of its own, which names it in errors (see Note [Sparse gradients] in docs/design.md)."""
+    sparse = {f"{prefix}.{name}" if prefix else name: True
+              for prefix, child in module.named_modules()
+              if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+              for name, _ in child.named_parameters(recurse=False)}
+    return [name if sparse.get(name) else None for name in names]
 
 
 def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:

@@ -25,7 +25,8 @@ overhead would dominate; see Note [Big gradients] in docs/design.md."""
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
-                   first_cap_bytes: int | None = None, caps: Sequence[int] = ()) -> list[list[int]]:
+                   first_cap_bytes: int | None = None, caps: Sequence[int] = (), sparse: Sequence[bool] = (),
+                   in_closing_order: bool = False) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``cap_bytes``, per device and dtype.
 
     Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
@@ -35,6 +36,10 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     ``bucket_cap_mb_list``), when given, replaces both: the k-th bucket of each device and dtype
     closes at ``caps[k]``, the last cap repeating. Buckets are returned in the order in which they
     are expected to fill.
+
+    ``sparse[i]``: parameter ``i`` gets sparse gradients, so a bucket of its own, whatever its size
+    (torch's ``expect_sparse_gradient``). ``in_closing_order``: the buckets in the order they closed,
+    those left open last, as torch orders its rebuilt buckets (where a sparse one closes at once).
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     limits = list(caps) or [first_cap_bytes, cap_bytes]
@@ -43,6 +48,9 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     closed: dict[tuple, int] = {}  # (device, dtype) -> buckets closed so far
     buckets: list[list[int]] = []
     for index in order:
+        if sparse and sparse[index]:
+            buckets.append([index])
+            continue
         p = params[index]
         key = (p.device, p.dtype)
         indices, size = open_buckets.pop(key, ([], 0))
@@ -55,7 +63,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
         else:
             open_buckets[key] = (indices, size)
     buckets.extend(indices for indices, _ in open_buckets.values())
-    buckets.sort(key=lambda indices: position[indices[0]])
+    if not in_closing_order:
+        buckets.sort(key=lambda indices: position[indices[0]])
     return buckets
 
 
@@ -85,6 +94,8 @@ class Bucket:
     ``extra`` trailing elements (outside ``buffer()``) ride along with the all-reduce; the reducer
     uses one as a status flag so that an error on one rank reaches every rank at no extra cost.
     """
+
+    sparse = False  # a SparseBucket (ddpkit.ddp.sparse_bucket) is launched its own way
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], param_indices: list[int],
                  is_last: bool, extra: int = 0):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddpkit.ddp.bucket import Bucket, assign_buckets
 from ddpkit.ddp.profiling import bucket_range
+from ddpkit.ddp.sparse_bucket import SparseBucket
 
 __all__ = ["BucketLayout", "initial_groups", "rebuilt_groups"]
 
@@ -30,16 +31,20 @@ class BucketLayout:
         cap_list: torch's ``bucket_cap_mb_list`` in bytes (the k-th bucket's cap), or empty.
         like_torch: torch's layout even without a comm hook (skip_all_reduce_unused_params skips
             the buckets torch would).
+        sparse: per parameter, its name if its gradients are sparse (a ``SparseBucket`` of its own,
+            which names it in errors), else None.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
-                 like_torch: bool = False):
+                 like_torch: bool = False, sparse: Sequence[str | None] = ()):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
+        self.sparse_names = list(sparse)
+        self.sparse = [name is not None for name in sparse] if any(name is not None for name in sparse) else []
         self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
         self.rebuilt = not rebuild
         # the order gradients became ready in, recorded while a rebuild is to come
@@ -50,7 +55,8 @@ class BucketLayout:
     def build_initial(self, hooked: bool) -> None:
         """The buckets before the rebuild; ``hooked``: a comm hook sees them, so torch's."""
         self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked or self.like_torch,
-                                  rebuilt_later=self._rebuild_planned, cap_list=self.cap_list))
+                                  rebuilt_later=self._rebuild_planned, cap_list=self.cap_list,
+                                  sparse=self.sparse))
 
     def expect_rebuild(self) -> None:
         """Rebuild after all (static_graph turned on late): record the order from now on."""
@@ -67,19 +73,22 @@ class BucketLayout:
         order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
         self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
-                                  hooked=hooked or self.like_torch, cap_list=self.cap_list))
+                                  hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse))
         self.rebuilt, self.record = True, None
 
     def build(self, groups: list[list[int]]) -> None:
         """(Re)create the buckets, in launch order; the last one carries the status flag."""
         params, last = self.params, len(groups) - 1
         self.buckets = []  # the old buffers go before the new ones are allocated, as in torch
-        self.buckets = [self.bucket_type(k, [params[i] for i in idx], idx, k == last, extra=int(k == last))
-                        for k, idx in enumerate(groups)]
+        kinds = [SparseBucket if self.sparse and self.sparse[idx[0]] else self.bucket_type for idx in groups]
+        self.buckets = [kind(k, [params[i] for i in idx], idx, k == last, extra=int(k == last))
+                        for k, (kind, idx) in enumerate(zip(kinds, groups))]
         self.bucket_of = [0] * len(params)
         for b in self.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.index()
+            if b.sparse:
+                b.name = self.sparse_names[b.param_indices[0]]
         self.counts = [len(b.params) for b in self.buckets]
         # a big gradient is scaled into its slot by its own hook, while still in cache; with
         # gradient_as_bucket_view it is already there. See Note [Big gradients] in docs/design.md
@@ -113,7 +122,8 @@ class BucketLayout:
 
 
 def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
-                   rebuilt_later: bool, cap_list: Sequence[int] = ()) -> list[list[int]]:
+                   rebuilt_later: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = ()
+                   ) -> list[list[int]]:
     """The buckets before the rebuild, each listing its parameters in registration order.
 
     Without a comm hook: filled in reverse registration order (the expected order of gradients),
@@ -121,24 +131,28 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
     must see: one bucket per device and dtype until the rebuild, or, when no rebuild comes
     (find_unused_parameters), groups formed in registration order and launched last first.
     With ``cap_list`` (torch's ``bucket_cap_mb_list``), torch's own always: those caps in
-    registration order, launched last first.
+    registration order, launched last first. ``sparse``: see ``assign_buckets``.
     """
     registration = list(range(len(params)))
     if cap_list:
-        return assign_buckets(params, registration, cap, caps=cap_list)[::-1]
+        return assign_buckets(params, registration, cap, caps=cap_list, sparse=sparse)[::-1]
     if not hooked:
-        groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked))
+        groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked),
+                                sparse=sparse)
         return [sorted(indices) for indices in groups]
     if rebuilt_later:
-        return assign_buckets(params, registration, sys.maxsize, sys.maxsize)[::-1]
-    return assign_buckets(params, registration, cap, first_cap)[::-1]
+        return assign_buckets(params, registration, sys.maxsize, sys.maxsize, sparse=sparse)[::-1]
+    return assign_buckets(params, registration, cap, first_cap, sparse=sparse)[::-1]
 
 
 def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: int, first_cap: int,
-                   *, hooked: bool, cap_list: Sequence[int] = ()) -> list[list[int]]:
+                   *, hooked: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = ()) -> list[list[int]]:
     """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
-    ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds."""
-    return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list)
+    ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds. With sparse gradients,
+    in torch's rebuilt order: a sparse bucket goes where its gradient arrived, before a bucket
+    still filling."""
+    return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list,
+                          sparse=sparse, in_closing_order=any(sparse))
 
 
 def _first_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool) -> int:

@@ -51,7 +51,11 @@ class Collectives:
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self.comm_hook is not None:
-            raise RuntimeError("register_comm_hook() may be called only once per DistributedDataParallel.")
+            raise RuntimeError(explain(
+                f"register_comm_hook or register_builtin_comm_hook can only be called once: this "
+                f"DistributedDataParallel already reduces with {_name_of(self.comm_hook)}, and {_name_of(hook)} "
+                "would replace it.", "wrap one hook in the other (e.g. fp16_compress_wrapper(hook)), or "
+                "register the one you want.", who="DistributedDataParallel", rank=self.rank))
         self.comm_hook, self.comm_state = hook, state
 
     def launch(self, bucket: Bucket) -> Any:
@@ -65,7 +69,7 @@ class Collectives:
             name = _name_of(self.comm_hook)
             raise CommHookError(explain(
                 f"comm hook {name} returned {type(future).__name__} for bucket {bucket.index()}, but must "
-                "return a torch.futures.Future of the reduced bucket.",
+                "return a torch.futures.Future object holding the reduced bucket.",
                 "return e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).",
                 who="DistributedDataParallel", rank=self.rank), rank=self.rank, hook=name)
         return future
@@ -81,6 +85,8 @@ class Collectives:
         Gloo runs each collective on one of its two worker threads; two halves keep both busy
         (see Note [Gloo halves] in docs/design.md).
         """
+        if bucket.sparse:  # a sparse gradient goes as it is, its status flag beside it
+            return _AllWorks(bucket.all_reduce(self.group))
         flat = bucket.flat
         if self.split_large and flat.numel() * flat.element_size() >= self.split_bytes:
             return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])

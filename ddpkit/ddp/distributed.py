@@ -9,7 +9,6 @@ and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.di
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
@@ -17,21 +16,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
+from ddpkit.ddp import mixed_precision as mp
 from ddpkit.ddp import options
-from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_sparse_gradients, refuse_uninitialized
+from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_names
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
+from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, default_group, verify_same_tensors
+from ddpkit.ddp.state_sync import broadcast_coalesced, verify_same_tensors
+from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(nn.Module, JoinSupport):
+class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -63,7 +66,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         JoinSupport.__init__(self)
         # torch 2.13's arguments, resolved as torch does: see ddpkit.ddp.options and docs/torch-compat.md
         options.check_delay_pair(delay_all_reduce_named_params, param_to_hook_all_reduce)
-        options.refuse_unimplemented(mixed_precision)
         options.warn_check_reduction(check_reduction)
         buffer_sync = options.resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.module, self.dim = module, dim
@@ -73,7 +75,6 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy  # ddpkit always batches small copies (Note [Big gradients])
-        self.mixed_precision = None
         self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts
         # torch's way to keep some parameters and buffers out of DDP: per-rank ones, left alone
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -92,14 +93,16 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
             named = self._parameters_to_reduce(delayed_too=bool(delayed))
-            if self.world_size > 1:  # a world of one averages nothing: sparse gradients pass through
-                refuse_sparse_gradients(module, self.parameters_to_ignore)
+            self.mixed_precision = mp.resolve_mixed_precision(mixed_precision, self.rank)  # torch's meaning
+            if self.mixed_precision is not None:
+                mp.refuse_compiled(module, self.rank)
             handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
             self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))
             if self.bucket_bytes_cap_list:  # torch: the largest is the cap, and no small first bucket
                 self.bucket_bytes_cap = self._first_bucket_bytes = max(self.bucket_bytes_cap_list)
+            self._set_torch_attributes(handled)
         except (TypeError, ValueError, RuntimeError) as e:
             local_error = e
         # torch's init_sync=False: no check across ranks and no broadcast, the caller's promise that
@@ -121,6 +124,11 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             if init_sync:
                 self._broadcast_states(src=0, buffers=buffer_sync.init)
             self.reducer = self._make_reducer(named)
+        if self.mixed_precision is not None:  # after the broadcast, so every rank casts the same values
+            mp.cast_buffers(module, self.mixed_precision, self.parameters_to_ignore)
+            if self.reducer is not None and mp.needs_reduce_hook(self.mixed_precision, self.reducer.params):
+                self.reducer.register_comm_hook((self.process_group, self.mixed_precision.effective_reduce_dtype),
+                                                mp.allreduce_in_dtype_hook)
 
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
                                  lambda self, value: setattr(self, "forward_sync_buffers", value),
@@ -139,8 +147,10 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named and not delayed_too:
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
-                               "parameter that requires a gradient.")
+            raise RuntimeError(explain(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                f"a gradient (on rank {self.rank}, none of its parameters requires one, or all are ignored).",
+                "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
@@ -149,7 +159,8 @@ class DistributedDataParallel(nn.Module, JoinSupport):
                        find_unused_parameters=self.find_unused_parameters,
                        gradient_as_bucket_view=self.gradient_as_bucket_view,
                        static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
-                       skip_unused=self.skip_all_reduce_unused_params, **self._reducer_options)
+                       skip_unused=self.skip_all_reduce_unused_params,
+                       sparse=sparse_gradient_names(self.module, [n for n, _ in named]), **self._reducer_options)
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore
@@ -166,51 +177,20 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
         broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
 
-    # ---- torch's private configuration calls, which its own error messages recommend --------
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
-        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
-        later: not broadcast, not checked across ranks, not averaged."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-
-    def _set_static_graph(self) -> None:
-        """``static_graph=True`` after construction, before the first forward (torch's call)."""
-        if self.static_graph:
-            warnings.warn("static_graph is already True; _set_static_graph() changes nothing.", stacklevel=2)
-            return
-        if self.reducer is not None:
-            self.reducer.set_static_graph()
-        self.static_graph = True
-
-    # ---- pickling: copy.deepcopy (an EMA or teacher copy) and torch.save of the wrapper --------
-    def __getstate__(self) -> dict[str, Any]:
-        """torch's rule: without the process group and the reducer, which the copy makes anew."""
-        if self.process_group is not default_group():
-            raise RuntimeError(explain(
-                "DistributedDataParallel can be pickled or deep-copied only when it uses the default "
-                "process group (the copy joins the default group).",
-                "copy or save its .module and wrap that in a new DistributedDataParallel."))
-        if self._delayed is not None:
-            raise NotImplementedError("DistributedDataParallel with delay_all_reduce_named_params cannot be "
-                                      "pickled or deep-copied. HINT: copy or save its .module instead.")
-        state = super().__getstate__()
-        del state["process_group"], state["reducer"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """The copy averages its own parameters' gradients over the default group; its comm hook,
-        as in torch, is not carried over."""
-        super().__setstate__(state)
-        self._join_group(default_group())
-        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
-
     # ---- forward -------------------------------------------------------------------------------
+    @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = self._pre_forward(inputs, kwargs)
-            output = self.module(*inputs, **kwargs)
+            with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
+                if self.mixed_precision is None:
+                    output = self.module(*inputs, **kwargs)
+                else:  # on copies in param_dtype, made now
+                    output = mp.forward_in_param_dtype(self.module, self.mixed_precision,
+                                                       self.parameters_to_ignore, inputs, kwargs)
             return self._post_forward(output)
 
+    @bookkeeping
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
@@ -230,6 +210,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         return inputs, kwargs
 
+    @bookkeeping
     def _post_forward(self, output: Any) -> Any:
         if self._delayed is not None:
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
@@ -258,7 +239,7 @@ class DistributedDataParallel(nn.Module, JoinSupport):
         """torch's rule: before a forward that follows a synced one, when there are buffers."""
         return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
 
-    def _sync_buffers(self, active: bool) -> None:
+    def _sync_buffers(self, active: bool = True) -> None:
         """Broadcast buffers from rank 0, or under join from the highest rank still active.
 
         Read afresh each time, as torch does: a module may replace a buffer out of place (an
@@ -285,8 +266,11 @@ class DistributedDataParallel(nn.Module, JoinSupport):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         if not callable(hook):
-            raise CommHookError(f"hook must be callable as hook(state, bucket), got {type(hook).__name__}.",
+            raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
+                                f"{self.rank} got {type(hook).__name__}.",
                                 rank=self.rank, hook=type(hook).__name__)
+        if self.mixed_precision is not None and self.reducer is not None:
+            raise mp.refuse_comm_hook(self.rank, hook)
         if self.reducer is None and self.process_group is not None:
             # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
             # hook, and a hook may change the gradients (fp16 rounding), so it runs here too

@@ -65,7 +65,8 @@ def second_gradient_error(rank: int, name: str, used: bool) -> SecondGradientErr
                 "shared with a module outside this DDP).")
         hint = ("use non-reentrant checkpointing (use_reentrant=False), or static_graph=True if every "
                 "iteration uses the parameters alike.")
-    return SecondGradientError(explain(f"parameter '{name}' received {what}", hint, who=_DDP, rank=rank),
+    what = f"Expected to mark a variable ready only once, but parameter '{name}' received {what}"
+    return SecondGradientError(explain(what, hint, who=_DDP, rank=rank),
                                rank=rank, parameter=name, reduced_as_unused=not used)
 
 
@@ -88,8 +89,9 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
     mode = ("static_graph=True, and these were used in the first iteration" if static_graph
             else "find_unused_parameters=False")
     message = explain(
-        f"parameters received no gradient in this backward pass, so their buckets could not be "
-        f"averaged ({mode}): {listed} (this is rank {rank}).",
+        f"your module has parameters that were not used in producing loss: they received no gradient "
+        f"in this backward pass, so their buckets could not be averaged ({mode}): {listed} (this is "
+        f"rank {rank}).",
         "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
         "loss) depends on every parameter; freeze parameters you do not train with "
         "requires_grad_(False) before wrapping the model.", who=_DDP)
@@ -118,14 +120,17 @@ def stale_output_error(rank: int, forward: int, latest: int) -> RuntimeError:
 def late_static_graph_error(rank: int, forwards: int) -> RuntimeError:
     """``_set_static_graph()`` after a forward: the first iteration's hooks went uncounted."""
     return RuntimeError(explain(
-        f"_set_static_graph() came after {forwards} forward pass(es); the first iteration must count "
-        "the gradients already.", "pass static_graph=True to the constructor.", who=_DDP, rank=rank))
+        "set_static_graph() should be called before training loop starts and after "
+        f"DistributedDataParallel is constructed, but _set_static_graph() came after {forwards} forward "
+        "pass(es); the first iteration must count the gradients already.",
+        "pass static_graph=True to the constructor.", who=_DDP, rank=rank))
 
 
 def ranks_disagree_error(rank: int, differing_rank: int, difference: str) -> RanksDisagreeError:
     """Rank ``differing_rank`` holds other parameters or buffers than rank 0 (``difference``: the first)."""
     message = explain(
-        f"{_DDP} needs the same parameters and buffers on every rank, but {difference} (this is "
+        f"DDP expects same model across all ranks: {_DDP} needs the same parameters and buffers on "
+        f"every rank, but {difference} (this is "
         f"rank {rank}).",
         "build the model identically on every rank (same arguments, same code path) before wrapping it.")
     return RanksDisagreeError(message, rank=rank, differing_rank=differing_rank, difference=difference)

@@ -49,6 +49,12 @@ class JoinSupport(Joinable):
                 "all-reduces the others issue, and the ranks would wait in mismatched collectives.",
                 f"give every rank the same number of batches, or leave {unshadowed[0]} out.",
                 who="DistributedDataParallel", rank=self.rank))
+        if enable and self.mixed_precision is not None:
+            raise NotImplementedError(explain(
+                "join() is not implemented with mixed_precision: its reduce_dtype hook divides by the whole "
+                "world size, so join's divide_by_initial_world_size=False would be ignored.",
+                "give every rank the same number of batches, or leave mixed_precision out.",
+                who="DistributedDataParallel", rank=self.rank))
         if self.reducer is None:
             return contextlib.nullcontext()
         return Join([self], enable, throw_on_early_termination,

@@ -2,8 +2,8 @@
 
 The process group or a 1-D ``DeviceMesh`` standing for one; buffer syncing (``broadcast_buffers``,
 deprecated, and ``forward_sync_buffers``, which leaves the construction-time sync alone); the
-per-bucket caps; the deprecated ``check_reduction``; and the arguments ddpkit refuses by name
-rather than ignore. Each rule and each warning is torch's, worded with the argument and the fix.
+per-bucket caps; and the deprecated ``check_reduction``. Each rule and each warning is torch's,
+worded with the argument and the fix.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
-__all__ = ["BufferSync", "bucket_cap_list", "check_delay_pair", "refuse_unimplemented", "resolve_buffer_sync",
+__all__ = ["BufferSync", "bucket_cap_list", "check_delay_pair", "resolve_buffer_sync",
            "resolve_group", "warn_check_reduction"]
 
 _MIB = 1024 * 1024
@@ -92,12 +92,3 @@ def check_delay_pair(delay_all_reduce_named_params: Any, param_to_hook_all_reduc
             f"but only {given} was.", "pass both, e.g. param_to_hook_all_reduce=model[0].weight (a "
             "parameter whose gradient comes after the delayed ones'), or neither.", who=_WHO))
 
-
-def refuse_unimplemented(mixed_precision: Any) -> None:
-    """Arguments of torch's signature that ddpkit does not implement: refused by name, never ignored."""
-    if mixed_precision is not None:
-        raise NotImplementedError(explain(
-            f"mixed_precision={mixed_precision!r} is not implemented by ddpkit's DistributedDataParallel.",
-            "cast the module itself (module.to(torch.bfloat16)) and average in low precision with "
-            "register_comm_hook(None, ddpkit.hooks.bf16_compress_hook), or use "
-            "torch.nn.parallel.DistributedDataParallel for its mixed_precision.", who=_WHO))

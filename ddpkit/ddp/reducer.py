@@ -56,7 +56,7 @@ class Reducer:
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
-                 cap_list: Sequence[int] = (), skip_unused: bool = False):
+                 cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = ()):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -70,7 +70,7 @@ class Reducer:
                                     static_graph=static_graph)
         # rebuilt once, in the order gradients arrived; as torch, not where it may change (find_unused)
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
-                                   rebuild=not (find_unused_parameters and not static_graph),
+                                   rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused)
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes

@@ -170,6 +170,24 @@ CONFIGS: tuple[Config, ...] = (
            kwargs={"find_unused_parameters": True, "skip_all_reduce_unused_params": True, "bucket_cap_mb": 0.0002}),
     Config("skip_all_reduce_unused_params_hook", model="unused_everywhere", hook="bucket_norm",
            kwargs={"find_unused_parameters": True, "skip_all_reduce_unused_params": True, "bucket_cap_mb": 0.0002}),
+    # nn.Embedding(sparse=True): a sparse gradient, all-reduced as it is in a bucket of its own
+    Config("sparse_embedding", model="sparse"),
+    Config("sparse_embedding_tiny_buckets", model="sparse", kwargs={"bucket_cap_mb": 0.0002}),
+    Config("sparse_embedding_find_unused", model="sparse_unused", set_to_none=False,
+           kwargs={"find_unused_parameters": True}),
+    Config("sparse_embedding_unused_everywhere", model="sparse_unused_everywhere", set_to_none=False,
+           kwargs={"find_unused_parameters": True}),
+    Config("sparse_embedding_no_sync", model="sparse", accumulate="no_sync", steps=6),
+    Config("sparse_embedding_grad_as_bucket_view", model="sparse", kwargs={"gradient_as_bucket_view": True}),
+    Config("sparse_embedding_static_graph", model="sparse", kwargs={"static_graph": True}),
+    Config("sparse_embedding_join", model="sparse", uneven=True),
+    Config("sparse_embedding_join_divide_by_active_ranks", model="sparse", uneven=True,
+           join={"divide_by_initial_world_size": False}),
+    Config("sparse_embedding_allreduce_hook", model="sparse", hook="allreduce_hook"),
+    Config("sparse_embedding_join_allreduce_hook", model="sparse", uneven=True, hook="allreduce_hook"),
+    # the hook sees the sparse bucket, and torch's buckets around it, before and after the rebuild
+    Config("sparse_embedding_bucket_norm_hook", model="sparse", hook="bucket_norm",
+           kwargs={"bucket_cap_mb": 0.0002}),
     Config("batched_grad_copy", kwargs={"batched_grad_copy": True}),
     Config("batched_grad_copy_wide_bucket_view", model="wide", steps=3,
            kwargs={"batched_grad_copy": True, "gradient_as_bucket_view": True}),
@@ -183,4 +201,5 @@ THREE_RANKS: tuple[Config, ...] = tuple(_BY_NAME[name] for name in (
     "defaults", "static_graph_checkpointed_twice", "tiny_buckets", "different_init", "find_unused",
     "batchnorm_broadcast", "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook",
     "grad_as_bucket_view", "wide_join_divide_by_active_ranks", "join_unused_user_joins_first",
-    "bucket_halves_join"))
+    "bucket_halves_join", "sparse_embedding", "sparse_embedding_find_unused", "sparse_embedding_no_sync",
+    "sparse_embedding_join"))

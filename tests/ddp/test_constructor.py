@@ -21,11 +21,6 @@ TORCH_DDP = nn.parallel.DistributedDataParallel
 
 
 # ---- single process: refusals that need no process group --------------------------------------
-def test_mixed_precision_is_refused_by_name_never_ignored():
-    with pytest.raises(NotImplementedError, match=r"mixed_precision=.* is not implemented .* HINT: "):
-        ddpkit.DDP(nn.Linear(2, 2), mixed_precision=SimpleNamespace(param_dtype=torch.float16))
-
-
 @pytest.mark.parametrize("given", ["delay_all_reduce_named_params", "param_to_hook_all_reduce"])
 def test_delayed_parameters_and_their_hook_parameter_come_together(given):
     model = nn.Linear(2, 2)

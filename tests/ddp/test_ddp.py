@@ -176,6 +176,20 @@ class LocalHead(nn.Module):
         return self.head(torch.tanh(self.trunk(x))) + self.seen
 
 
+class SparseEmbedding(nn.Module):
+    """An nn.Embedding(sparse=True) feeding dense layers: its gradient is a sparse tensor, in a
+    bucket of its own; ``use_emb=False`` leaves it out of the graph (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.out = nn.Embedding(20, 4, sparse=True), nn.Linear(IN + 4, 8), nn.Linear(8, 3)
+
+    def forward(self, x, use_emb=True):
+        ids = (x.detach().abs() * 4).long().clamp(max=19)  # a few rows, different on each rank
+        h = self.emb(ids).mean(1) if use_emb else x.new_zeros(len(x), 4)
+        return self.out(torch.tanh(self.fc(torch.cat([x, h], 1))))
+
+
 def _model(name: str) -> nn.Module:
     if name == "mlp":
         return nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -193,6 +207,9 @@ def _model(name: str) -> nn.Module:
         return PlainOutputCheckpointedLast()
     if name == "local_head":
         return LocalHead()
+    # sparse_unused: not used on rank 1 after the first step; sparse_unused_everywhere: on no rank
+    if name in ("sparse", "sparse_unused", "sparse_unused_everywhere"):
+        return SparseEmbedding()
     if name == "complex":
         return ComplexValued()
     if name == "channels_last":
@@ -290,6 +307,8 @@ def _train(kind: str, cfg: Config, rank: int) -> dict:
         for step in range(steps):
             x = x_in = (torch.randn(5, IN, generator=data) + rank).requires_grad_(cfg.gradient_penalty)
             local = cfg.accumulate is not None and step % 3 != 2
+            if cfg.model.startswith("sparse_unused"):  # torch needs a .grad there: used by every rank at first
+                forward_kwargs = {"use_emb": step == 0 or (rank == 0 and cfg.model == "sparse_unused")}
             if cfg.some_only_in_local_steps:
                 forward_kwargs = {"use_some": local}
             if local and cfg.accumulate == "attribute":
@@ -315,20 +334,20 @@ def _train(kind: str, cfg: Config, rank: int) -> dict:
             ddp.require_backward_grad_sync = True
             if not local:
                 views = _grads_are_bucket_views(ddp) if kind == "ddpkit" else None
-                strides = [None if p.grad is None else p.grad.stride() for p in ddp.parameters()]
+                strides = [None if p.grad is None or p.grad.is_sparse else p.grad.stride() for p in ddp.parameters()]
                 opt.step()
                 if not cfg.zero_grad_after_forward:
                     opt.zero_grad(set_to_none=cfg.set_to_none)
     state = {k: v.detach().clone() for k, v in ddp.state_dict().items()}
-    grads_none = [p.grad is None for p in ddp.parameters()]
+    grads_none = [None if p.grad is None else p.grad.is_sparse for p in ddp.parameters()]
     if not cfg.kwargs.get("gradient_as_bucket_view"):
         views = None
     return {"state": state, "grads_none": grads_none, "views": views, "strides": strides}
 
 
 def _grads_are_bucket_views(ddp) -> bool:
-    storages = {b.buffer().untyped_storage().data_ptr() for b in ddp.reducer.buckets}
-    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
+    storages = {b.buffer().untyped_storage().data_ptr() for b in ddp.reducer.buckets if not b.sparse}
+    return all(p.grad is not None and (p.grad.is_sparse or p.grad.untyped_storage().data_ptr() in storages)
                for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore)
 
 

@@ -1,0 +1,67 @@
+"""``torch.compile`` and ddpkit's DDP: the treatment Dynamo gives torch's DDP, in both orders.
+
+    torch.compile(DDP(model))     DDP's forward runs eagerly; ``model``'s forward is compiled
+    DDP(torch.compile(model))     the same, with no break in DDP's own code
+
+Two things make the compiled backward overlap the all-reduces as it does for torch's DDP:
+
+* **Eager bookkeeping.** ``eager`` marks DDP's forward for Dynamo to skip, and only it: what it
+  calls (the wrapped module) is still compiled; torch marks its own ``_inside_ddp_forward`` so
+  (``torch._disable_dynamo(recursive=False)``, which imports Dynamo on its first call). The
+  pre/post-forward bookkeeping (reducer state, Join, buffer broadcast, hooks on the outputs) reads
+  ``grad_fn`` and calls collectives; traced, it broke the graph six times and warned on every
+  rank. ``bookkeeping`` keeps Dynamo out of it and all it calls, as torch's C++ reducer is.
+* **DDPOptimizer.** When Dynamo compiles a frame it asks ``DistributedDataParallel.
+  _get_active_ddp_module()`` (torch's class) whether a DDP forward is running; if one is, its
+  DDPOptimizer splits the graph at bucket boundaries of ``bucket_bytes_cap`` bytes, so each bucket's
+  gradients are ready (and ddpkit's hooks launch its all-reduce) while the rest of backward runs.
+  torch offers no registration for other wrappers; the answer is the class attribute
+  ``_active_ddp_module``, which torch's DDP sets around its module's forward and restores after.
+  ``inside_ddp_forward`` sets it to ddpkit's DDP the same way: torch's DDP is neither subclassed
+  nor constructed, and a torch DDP forward nested inside (or around) restores it as its own does.
+  Dynamo reads the attribute through that classmethod (checked on torch 2.13); a torch without
+  either (``ADAPTED`` False) is left alone, and a compiled module in ddpkit's DDP is then one
+  graph whose gradients all become ready at its end.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+__all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "inside_ddp_forward"]
+
+ACTIVE_SLOT = "_active_ddp_module"
+"""torch's DDP class attribute that Dynamo reads (via ``_get_active_ddp_module``) for DDPOptimizer."""
+
+ADAPTED = hasattr(TorchDDP, ACTIVE_SLOT) and callable(getattr(TorchDDP, "_get_active_ddp_module", None))
+"""Whether this torch reads the active DDP module as 2.0 to 2.13 do."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(forward: _F) -> _F:
+    """``forward`` runs outside Dynamo's graph, its callees compiled (torch's decorator for this)."""
+    return torch._disable_dynamo(forward, recursive=False)
+
+
+def bookkeeping(method: _F) -> _F:
+    """``method`` and all it calls run outside Dynamo: no frame of the reducer is compiled (its
+    ``.tolist()``, pybind collective options and ``grad_fn`` reads each broke a graph)."""
+    return torch._disable_dynamo(method, recursive=True)
+
+
+@contextlib.contextmanager
+def inside_ddp_forward(ddp: torch.nn.Module) -> Iterator[None]:
+    """While the wrapped module runs, Dynamo sees ``ddp`` as the active DDP module (DDPOptimizer)."""
+    if not ADAPTED:
+        yield
+        return
+    previous = getattr(TorchDDP, ACTIVE_SLOT)
+    setattr(TorchDDP, ACTIVE_SLOT, ddp)
+    try:
+        yield
+    finally:
+        setattr(TorchDDP, ACTIVE_SLOT, previous)

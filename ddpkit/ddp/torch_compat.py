@@ -1,0 +1,143 @@
+"""torch's DDP members that libraries and scripts reach for, beyond the constructor and forward.
+
+``DistributedDataParallel`` inherits this mixin: the public attributes and methods of torch's DDP
+that nothing else in ddpkit needs (kept with torch's meaning, so code written against torch's DDP
+reads the same values), and the private members that widely used code calls. Which private members
+are here, who calls them, and why each is in or out: docs/torch-compat.md.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.ddp.outputs import to_device
+from ddpkit.dp.scatter_gather import gather, scatter_kwargs
+from ddpkit.errors import explain
+
+__all__ = ["TorchCompat", "BROADCAST_BUCKET_BYTES"]
+
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+"""torch's ``broadcast_bucket_size``: the coalescing size of its construction-time broadcast."""
+
+
+class TorchCompat:
+    """torch's remaining DDP members, for ``DistributedDataParallel`` (which sets what they read)."""
+
+    logger: Any = None
+    """torch's C++ ``dist.Logger``; ddpkit has none (its facts: ``_get_ddp_logging_data()``)."""
+
+    def _set_torch_attributes(self, params: Sequence[torch.Tensor]) -> None:
+        """torch's plain attributes, with its values; ``params``: the parameters DDP handles."""
+        devices = {p.device for p in params}
+        self.device_type = next(iter(devices)).type
+        self.is_multi_device_module = len(devices) > 1
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+        self.bucket_bytes_cap_default = self._first_bucket_bytes < self.bucket_bytes_cap
+        # torch copies inputs to a GPU on a side stream unless this variable says 0; ddpkit's
+        # non-blocking copy is on the current stream either way
+        self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+
+    # ---- buffers, as torch names them --------------------------------------------------------
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers DDP broadcasts (not the ignored ones), read afresh as torch re-reads them."""
+        ignore = self.parameters_to_ignore
+        return {n: b for n, b in self.module.named_buffers() if n not in ignore}
+
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        return list(self.named_module_buffers.values())
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's rule)."""
+        return self._will_sync_buffers()
+
+    def _check_sync_bufs_pre_fwd(self) -> bool:
+        """torch's name for the same question (ddpkit has no buffer comm hook to sync after forward)."""
+        return self.will_sync_module_buffers()
+
+    def _check_sync_bufs_post_fwd(self) -> bool:
+        return False
+
+    # ---- torch's input and output moves (DataParallel's, kept by torch for compatibility) -------
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[Any]) -> tuple[tuple, tuple]:
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict | None, device_id: int) -> tuple[tuple, tuple]:
+        """``inputs`` and ``kwargs`` moved to device ``device_id`` of this DDP's type, as torch's
+        ``([inputs], [kwargs])`` tuples (an empty side padded with ``()`` or ``{}``)."""
+        device = torch.device(self.device_type, device_id)
+        moved = [tuple(to_device(tuple(inputs), device))] if inputs else []
+        moved_kwargs = [to_device(kwargs, device)] if kwargs else []
+        moved += [()] * (len(moved_kwargs) - len(moved))
+        moved_kwargs += [{}] * (len(moved) - len(moved_kwargs))
+        return tuple(moved), tuple(moved_kwargs)
+
+    def gather(self, outputs: Sequence[Any], output_device: Any) -> Any:
+        return gather(outputs, output_device, dim=self.dim)
+
+    # ---- torch's private configuration calls, which its own error messages recommend --------
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """Keep these fully qualified parameter and buffer names out of any DDP wrapping ``module``
+        later: not broadcast, not checked across ranks, not averaged. As torch, each is marked
+        ``_ddp_ignored`` too, which torch.compile's DDPOptimizer reads to leave it out of its buckets."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True
+
+    def _set_static_graph(self) -> None:
+        """``static_graph=True`` after construction, before the first forward (torch's call)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again. "
+                          "_set_static_graph() changes nothing on a DistributedDataParallel built with "
+                          "static_graph=True.", stacklevel=2)
+            return
+        if self.reducer is not None:
+            self.reducer.set_static_graph()
+        self.static_graph = True
+
+    # ---- private state that libraries read -------------------------------------------------
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """Whether the buckets were rebuilt in gradient order (torch's ZeRO hook waits for it)."""
+        reducer = self.reducer
+        return reducer is not None and reducer.layout._rebuild_planned and reducer.layout.rebuilt
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """ddpkit's facts under the keys of torch's logging data that ddpkit knows (torch's C++
+        logger is not there: timings and environment keys are absent, ``.get`` gives None)."""
+        reducer = self.reducer
+        buckets = reducer.buckets if reducer is not None else []
+        params = [p for b in buckets for p in b.params]
+        data: dict[str, Any] = {
+            "world_size": self.world_size, "rank": self.rank, "module_name": type(self.module).__name__,
+            "device_ids": ", ".join(map(str, self.device_ids or ())),
+            "output_device": -1 if self.output_device is None else self.output_device.index,
+            "backend_name": dist.get_backend(self.process_group) if self.process_group is not None else "",
+            "broadcast_buffers": int(self.forward_sync_buffers), "bucket_cap_bytes": self.bucket_bytes_cap,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph), "is_multi_device_module": int(self.is_multi_device_module),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "bucket_sizes": ", ".join(str(sum(p.numel() * p.element_size() for p in b.params)) for b in buckets),
+            "iteration": reducer.iterations if reducer is not None else 0,
+        }
+        if reducer is not None and reducer.iterations:
+            data["has_rebuilt_buckets"] = int(self._has_rebuilt_buckets)
+        return data
+
+    def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
+        """torch's optimizer-in-backward: out of ddpkit (its reducer has no optimizer step)."""
+        raise NotImplementedError(explain(
+            f"_register_fused_optim({getattr(optim, '__name__', optim)}) is not implemented: ddpkit's "
+            "reducer does not step an optimizer inside its comm hook.",
+            "call optimizer.step() after backward(), or use torch.nn.parallel.DistributedDataParallel.",
+            who="DistributedDataParallel", rank=self.rank))

@@ -1,0 +1,328 @@
+"""ddpkit's DDP against torch's, member by member: the public names, their values, the private
+members libraries call, and torch's words in ddpkit's errors.
+
+Each 2-rank Gloo run builds both DDPs on identical models and returns what each says, so a test
+compares ddpkit's answer with torch's rather than with a value written down here.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddpkit
+
+_MODULE_NAMES = set(dir(nn.Module))
+_DDPKIT_ONLY = {"rank", "world_size"}  # ddpkit's own public facts (docs/torch-compat.md)
+_SKIP_VALUE = {"module", "reducer", "logger", "process_group", "join_process_group", "modules_buffers",
+               "named_module_buffers"}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def _public(ddp: nn.Module) -> set[str]:
+    names = {n for n in vars(ddp) if not n.startswith("_")} - {"training"}
+    return names | ({n for n in dir(type(ddp)) if not n.startswith("_")} - _MODULE_NAMES)
+
+
+def _plain(value):
+    """A comparable form of an attribute's value (a device as text, a set sorted)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, torch.device):
+        return str(value)
+    return value
+
+
+def _attributes_worker(kwargs: dict) -> dict:
+    both = {"torch": TorchDDP(_model(), **kwargs), "ddpkit": ddpkit.DistributedDataParallel(_model(), **kwargs)}
+    out = {}
+    for who, ddp in both.items():
+        names = _public(ddp)
+        values = {n: _plain(getattr(ddp, n)) for n in names
+                  if n not in _SKIP_VALUE and not callable(getattr(ddp, n))}
+        values["process_group is the default group"] = ddp.process_group is dist.group.WORLD
+        values["named_module_buffers"] = {n: b.clone() for n, b in ddp.named_module_buffers.items()}
+        values["modules_buffers"] = [b.clone() for b in ddp.modules_buffers]
+        sync, rebuilt, logging_data = [], [], []
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        for _ in range(3):
+            sync.append((ddp.will_sync_module_buffers(), ddp._check_sync_bufs_pre_fwd()))
+            rebuilt.append(ddp._has_rebuilt_buckets)
+            logging_data.append(ddp._get_ddp_logging_data())
+            ddp(x).sum().backward()
+        with torch.no_grad():
+            ddp(x)  # an unsynced forward: the next one does not broadcast buffers
+        sync.append((ddp.will_sync_module_buffers(), ddp._check_sync_bufs_pre_fwd()))
+        moved = ddp.to_kwargs((x, [x]), {"y": x}, 0)
+        out[who] = {"names": names, "values": values, "sync": sync, "rebuilt": rebuilt,
+                    "logging": logging_data, "to_kwargs": moved, "to_kwargs_no_kwargs": ddp.to_kwargs((x,), {}, 0)}
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bucket_cap_mb": 1, "broadcast_buffers": False},
+                                    {"find_unused_parameters": True}, {"static_graph": True}],
+                         ids=["defaults", "cap-no-buffers", "find-unused", "static-graph"])
+def test_public_names_and_values_match_torch(kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated in both
+        results = run_ranks(_attributes_worker, world_size=2, args=(kwargs,))
+    for rank, out in enumerate(results):
+        t, d = out["torch"], out["ddpkit"]
+        assert d["names"] - _DDPKIT_ONLY == t["names"], f"rank {rank}"
+        for name, value in t["values"].items():
+            if name in ("named_module_buffers", "modules_buffers"):
+                continue
+            assert d["values"][name] == value, f"rank {rank}: {name}"
+        assert list(d["values"]["named_module_buffers"]) == list(t["values"]["named_module_buffers"])
+        for a, b in zip(d["values"]["modules_buffers"], t["values"]["modules_buffers"], strict=True):
+            assert torch.equal(a, b)
+        assert d["sync"] == t["sync"]
+        assert d["rebuilt"] == t["rebuilt"]
+        for moved in ("to_kwargs", "to_kwargs_no_kwargs"):
+            _assert_same_structure(d[moved], t[moved])
+        shared = ("world_size", "rank", "module_name", "device_ids", "output_device", "backend_name",
+                  "broadcast_buffers", "bucket_cap_bytes", "find_unused_parameters", "gradient_as_bucket_view",
+                  "is_multi_device_module", "num_parameter_tensors", "total_parameter_size_bytes")
+        for step, (dl, tl) in enumerate(zip(d["logging"], t["logging"], strict=True)):
+            assert {k: dl[k] for k in shared} == {k: tl[k] for k in shared}, f"rank {rank} step {step}"
+        # the buckets' sizes once both have settled on their rebuilt buckets
+        assert d["logging"][2]["bucket_sizes"] == t["logging"][2]["bucket_sizes"]
+        # torch logs it as of an earlier sampled iteration; ddpkit says how things stand now
+        assert d["logging"][2]["has_rebuilt_buckets"] == int(t["rebuilt"][2])
+
+
+def _assert_same_structure(a, b) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.device == b.device
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_structure(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same_structure(a[k], b[k])
+    else:
+        assert a == b
+
+
+def _scatter_gather_worker() -> dict:
+    ddp = ddpkit.DistributedDataParallel(_model())
+    x = torch.arange(12.0).view(6, 2)
+    inputs, kwargs = ddp.scatter((x,), {"y": x}, ["cpu", "cpu"])
+    return {"inputs": inputs, "kwargs": kwargs, "gathered": ddp.gather([t[0] for t in inputs], "cpu"), "x": x}
+
+
+def test_scatter_and_gather_split_and_join_along_dim():
+    """torch's own scatter and gather need CUDA; on CPU the reference is chunk and cat along dim."""
+    out = run_ranks(_scatter_gather_worker, world_size=2)[0]
+    halves = out["x"].chunk(2)
+    assert [t[0] for t in out["inputs"]] == list(out["inputs"][i][0] for i in range(2))
+    for i in range(2):
+        assert torch.equal(out["inputs"][i][0], halves[i]) and torch.equal(out["kwargs"][i]["y"], halves[i])
+    assert torch.equal(out["gathered"], out["x"])
+
+
+def _private_worker() -> dict:
+    ddp = ddpkit.DistributedDataParallel(_model())
+    out = {"deepcopy_names": _public(copy.deepcopy(ddp)) == _public(ddp)}
+    try:
+        ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
+    except NotImplementedError as e:
+        out["fused"] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TorchDDP(_model(), static_graph=True)._set_static_graph()
+        ddpkit.DistributedDataParallel(_model(), static_graph=True)._set_static_graph()
+    out["static_warnings"] = [str(w.message) for w in caught]
+    ignored = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        model = _model()
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["0.bias", "1.running_mean"])
+        ignored[who] = sorted(n for n, t in (*model.named_parameters(), *model.named_buffers())
+                              if getattr(t, "_ddp_ignored", False))
+        ddp = DDP(model)
+        with torch.no_grad():  # different buffers per rank; torch's call with no argument syncs rank 0's
+            for b in ddp.module.buffers():
+                b.fill_(dist.get_rank() + 1)
+        ddp._sync_buffers()
+        out[f"synced {who}"] = {n: b.clone() for n, b in ddp.module.named_buffers()}
+    out["ignored"] = ignored
+    return out
+
+
+def test_private_members_answer_or_refuse_clearly():
+    for rank, out in enumerate(run_ranks(_private_worker, world_size=2)):
+        assert out["deepcopy_names"]
+        assert f"on rank {rank}: _register_fused_optim(SGD) is not implemented" in out["fused"]
+        torch_warning, ddpkit_warning = out["static_warnings"]
+        assert torch_warning in ddpkit_warning
+        assert out["ignored"]["ddpkit"] == out["ignored"]["torch"] == ["0.bias", "1.running_mean"]
+        after_torch, after_ddpkit = out["synced torch"], out["synced ddpkit"]
+        assert list(after_torch) == list(after_ddpkit)
+        for name, value in after_torch.items():  # the ignored buffer keeps this rank's value in both
+            assert torch.equal(after_ddpkit[name], value), (rank, name)
+        assert after_ddpkit["1.running_var"].eq(1).all() and after_ddpkit["1.running_mean"].eq(rank + 1).all()
+
+
+# ---- torch's words in ddpkit's errors -----------------------------------------------------------
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+class _CheckpointedTwice(nn.Module):
+    """One layer under two reentrant checkpoints: its gradients arrive in two reentrant backwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.a, checkpoint(self.a, x, use_reentrant=True), use_reentrant=True)
+
+
+def _returns_tensor(state, bucket):
+    return bucket.buffer()
+
+
+def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or ddpkit's
+    rank, x = dist.get_rank(), torch.ones(1, 2, requires_grad=True)
+    if kind == "unused":
+        ddp = DDP(_HalfUsed())
+        for _ in range(2):
+            ddp(x).sum().backward()
+    elif kind == "marked_twice":
+        ddp = DDP(_CheckpointedTwice(), find_unused_parameters=True)  # kept: torch's holds itself weakly
+        ddp(x).sum().backward()
+    elif kind == "hook_twice":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.register_comm_hook(None, allreduce_hook)
+        ddp.register_comm_hook(None, allreduce_hook)
+    elif kind == "hook_returns_tensor":
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.register_comm_hook(None, _returns_tensor)
+        ddp(x).sum().backward()
+    elif kind == "hook_not_callable":
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, 3)
+    elif kind == "device_ids_on_cpu":
+        DDP(nn.Linear(2, 2), device_ids=[0])
+    elif kind == "two_device_ids":
+        DDP(nn.Linear(2, 2), device_ids=[0, 1])
+    elif kind == "nothing_to_train":
+        DDP(nn.Linear(2, 2).requires_grad_(False))
+    elif kind == "models_differ":
+        DDP(nn.Sequential(*[nn.Linear(2, 2) for _ in range(1 + rank)]))
+    elif kind == "static_graph_late":
+        ddp = DDP(nn.Linear(2, 2))
+        ddp(x).sum().backward()
+        ddp._set_static_graph()
+    elif kind == "join_exhausted":
+        ddp = DDP(nn.Linear(2, 2))
+        with ddp.join(throw_on_early_termination=True):
+            for _ in range(1 + 2 * rank):
+                ddp(x).sum().backward()
+    elif kind == "pickle_subgroup":
+        copy.deepcopy(DDP(nn.Linear(2, 2), process_group=dist.new_group([0, 1])))
+
+
+def _misuse_worker(kind: str) -> dict:
+    out = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        try:
+            _misuse(kind, DDP)
+            out[who] = None
+        except Exception as e:  # noqa: BLE001 - what each raises is the result
+            facts = {k: v for k, v in vars(e).items() if isinstance(v, (int, str, dict, bool))}
+            out[who] = ([c.__name__ for c in type(e).__mro__], str(e), facts)
+    return out
+
+
+# kind: (torch's key phrase, whether ddpkit's message names the rank)
+_MISUSES = {
+    "unused": ("your module has parameters that were not used in producing loss", True),
+    "marked_twice": ("Expected to mark a variable ready only once", True),
+    "hook_twice": ("register_comm_hook or register_builtin_comm_hook can only be called once", True),
+    "hook_returns_tensor": ("must return a torch.futures.Future object", True),
+    "hook_not_callable": ("Communication hook must be callable", True),
+    "device_ids_on_cpu": ("DistributedDataParallel device_ids and output_device arguments only work with "
+                          "single-device/multiple-device GPU modules or CPU modules", False),
+    "two_device_ids": ("device_ids can only be None or contain a single element", False),
+    "nothing_to_train": ("DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                         "requires a gradient", True),
+    "models_differ": ("DDP expects same model across all ranks", True),
+    "static_graph_late": ("set_static_graph() should be called before training loop starts and after "
+                          "DistributedDataParallel is constructed", True),
+    "join_exhausted": ("exhausted", False),  # torch's Join speaks for both: the same words
+    "pickle_subgroup": ("DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                        "group", False),
+}
+
+
+@pytest.mark.parametrize("kind", list(_MISUSES))
+def test_misuse_raises_torchs_type_with_torchs_words(kind):
+    phrase, names_rank = _MISUSES[kind]
+    for rank, out in enumerate(run_ranks(_misuse_worker, world_size=2, args=(kind,))):
+        assert out["torch"] is not None and out["ddpkit"] is not None, (rank, out)
+        (torch_mro, torch_message, _), (ddpkit_mro, message, facts) = out["torch"], out["ddpkit"]
+        assert torch_mro[0] in ddpkit_mro, (rank, torch_mro[0], ddpkit_mro)  # the same type, or a subclass
+        assert phrase in torch_message, (rank, torch_message)  # the phrase is torch's
+        assert phrase in message, (rank, message)
+        if names_rank:
+            assert f"rank {rank}" in message or f"Rank {rank}" in message, message
+        if "rank" in facts:
+            assert facts["rank"] == rank
+        if kind == "unused":
+            assert facts["by_rank"] == {0: ["b.weight", "b.bias"], 1: ["b.weight", "b.bias"]}
+            assert "'b.weight', 'b.bias'" in message
+        if kind == "marked_twice":  # torch names the parameter too (with TORCH_DISTRIBUTED_DEBUG unset)
+            assert f"with name {facts['parameter']} has been marked as ready twice" in torch_message
+            assert f"parameter '{facts['parameter']}'" in message
+        if kind == "join_exhausted":
+            assert message == torch_message
+        if kind == "models_differ":
+            assert facts["differing_rank"] == 1 and "'1.weight'" in message
+
+
+def _late_hook_worker() -> dict:
+    """torch accepts a comm hook after training started (no error, no warning): so must ddpkit."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    grads = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        ddp = DDP(_model())
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(3):
+                if step == 1:
+                    ddp.register_comm_hook(None, allreduce_hook)
+                ddp.zero_grad()
+                ddp(x).sum().backward()
+        grads[who] = [p.grad.clone() for p in ddp.parameters()]
+    return grads
+
+
+def test_comm_hook_registered_after_training_started_averages_as_torch():
+    for out in run_ranks(_late_hook_worker, world_size=2):
+        for a, b in zip(out["ddpkit"], out["torch"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
