@@ -12,7 +12,7 @@ import torch
 
 from ddpkit.errors import CommHookError, explain
 
-__all__ = ["Bucket", "assign_buckets", "copy_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
+__all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
@@ -88,7 +88,31 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return t.stride()
 
 
-class Bucket:
+class GradBucketBasics:
+    """What every bucket shows a comm hook as torch's ``GradBucket`` does, whatever it holds."""
+
+    _index: int
+    _is_last: bool
+    _buffer: torch.Tensor | None
+
+    def buffer(self) -> torch.Tensor:
+        """What the collective must reduce: the flat gradients (or a sparse bucket's gradient)."""
+        return self._buffer
+
+    def index(self) -> int:
+        """Position of this bucket in the launch order; 0 is launched first."""
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` what ``buffer()`` returns, as torch's does (torch's fp16_compress_wrapper
+        swaps in a half-precision copy this way, so that the hook it wraps sends half the bytes)."""
+        self._buffer = tensor
+
+
+class Bucket(GradBucketBasics):
     """One flat gradient buffer, its parameters, and a view of the buffer shaped like each one.
 
     ``extra`` trailing elements (outside ``buffer()``) ride along with the all-reduce; the reducer
@@ -196,17 +220,6 @@ class Bucket:
                       extra=self.flat.numel() - self.numel)
 
     # ---- torch's GradBucket interface, for comm hooks ----
-    def buffer(self) -> torch.Tensor:
-        """The flat gradients of this bucket (what an all-reduce must reduce)."""
-        return self._buffer
-
-    def index(self) -> int:
-        """Position of this bucket in the launch order; 0 is launched first."""
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
     def parameters(self) -> list[torch.Tensor]:
         """The bucket's parameters as torch's GradBucket lists them: in registration order until
         the buckets are rebuilt after the first iteration, then in gradient-ready order."""
@@ -215,11 +228,6 @@ class Bucket:
     def gradients(self) -> list[torch.Tensor]:
         """Views of ``buffer()``, one per parameter, shaped like it, in ``parameters()``'s order."""
         return [self.views[pos] for pos in self._given_order]
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` what ``buffer()`` returns, as torch's does (torch's fp16_compress_wrapper
-        swaps in a half-precision copy this way, so that the hook it wraps sends half the bytes)."""
-        self._buffer = tensor
 
     def restore_buffer(self) -> None:
         """``buffer()`` is the bucket's own gradients again (after a hook swapped in another)."""

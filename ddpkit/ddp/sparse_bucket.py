@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.ddp.bucket import GradBucketBasics
 from ddpkit.errors import CommHookError, explain
 
 __all__ = ["SparseBucket", "empty_sparse_like"]
@@ -27,7 +28,7 @@ def empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, param.shape, is_coalesced=True, check_invariants=False)
 
 
-class SparseBucket:
+class SparseBucket(GradBucketBasics):
     """The bucket of one sparse-gradient parameter, launched with the others, in their order.
 
     Takes the arguments of ``Bucket`` so that a layout builds either; ``extra`` > 0 gives it the
@@ -94,25 +95,12 @@ class SparseBucket:
         return zeros
 
     # ---- torch's GradBucket interface, for comm hooks ----
-    def buffer(self) -> torch.Tensor:
-        """The sparse gradient (torch's GradBucket for a sparse parameter gives it as it is)."""
-        return self._buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._is_last
-
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params)
 
     def gradients(self) -> list[torch.Tensor]:
         """Empty, as torch's: a sparse bucket has no per-parameter views."""
         return []
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer = tensor
 
     def restore_buffer(self) -> None:
         """Let go of the gradient at the end of the iteration (zero_grad may free it)."""
