@@ -22,6 +22,7 @@ from ddpkit.ddp import DDP, DistributedDataParallel, SyncBatchNorm
 from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
 from ddpkit.errors import (
     CheckpointSaveError,
+    CollectiveMismatchError,
     CommHookError,
     LauncherVariableError,
     NotInitializedError,
@@ -53,6 +54,7 @@ from ddpkit.runtime import (
     reduce_scatter,
     shutdown,
 )
+from ddpkit.runtime.hangs import HANG_EXIT_CODE
 
 __version__ = "0.1.0"
 
@@ -63,8 +65,10 @@ __all__ = [
     "get_local_rank", "get_rank", "get_world_size", "hooks", "init", "is_initialized",
     "is_main_process", "load", "parallel_apply", "parallelize", "print", "reduce_scatter",
     "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "SyncBatchNorm", "__version__",
+    "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
-    "errors", "CheckpointSaveError", "CommHookError", "LauncherVariableError", "NotInitializedError",
+    "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "LauncherVariableError",
+    "NotInitializedError",
     "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",
 ]

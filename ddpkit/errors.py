@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = ["explain", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
            "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
-           "RendezvousError", "CheckpointSaveError", "StateDictMismatchError"]
+           "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -153,3 +153,14 @@ class StateDictMismatchError(_Facts, RuntimeError):
     def __init__(self, message: str, *, missing: list[str], unexpected: list[str]) -> None:
         super().__init__(message)
         self.missing, self.unexpected = missing, unexpected
+
+
+# ---- collectives: hangs and mismatches ---------------------------------------------------------------
+class CollectiveMismatchError(_Facts, RuntimeError):
+    """With ``DDPKIT_CHECK_COLLECTIVES=1``, the members of ``group`` (its global ranks) were about to
+    run different collectives as number ``seq``; ``by_rank`` maps each rank to its
+    ``"op dtype[shape] at file:line in function()"``. Every member raises it."""
+
+    def __init__(self, message: str, *, rank: int, seq: int, group: list[int], by_rank: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank, self.seq, self.group, self.by_rank = rank, seq, group, by_rank

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import LauncherVariableError, NotInitializedError, RendezvousError, explain
+from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
 
 __all__ = [
@@ -39,6 +40,7 @@ _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 # What init() set up, so that a second init() returns it and shutdown() knows what to destroy; and
 # how many groups this process has joined, so that an init() after shutdown() meets on fresh keys.
 _state: dict[str, DistEnv | None] = {"env": None}
+_watch: list[hangs.HangWatch | None] = [None]  # the recorder and watchdog of that group
 _joined = [0]
 
 _SETTLE_SECONDS = 0.05
@@ -58,13 +60,19 @@ def _let_collective_threads_settle() -> None:
     time.sleep(_SETTLE_SECONDS)
 
 
-def init(backend: str | None = None, timeout: float | timedelta | None = None) -> DistEnv:
+def init(backend: str | None = None, timeout: float | timedelta | None = None,
+         stall_timeout: float | None = None, check_collectives: bool | None = None) -> DistEnv:
     """Join the job this process was launched into (idempotent) and return its ``DistEnv``.
 
     Args:
         backend: "nccl", "gloo", ...; default NCCL when CUDA is usable, else Gloo (also read from
             ``DDPKIT_BACKEND``).
         timeout: seconds or a timedelta for the rendezvous and for every collective; default 5 minutes.
+        stall_timeout: seconds a collective may wait before every rank reports where it is, and a
+            certain deadlock ends the job with exit code ``ddpkit.HANG_EXIT_CODE``; default
+            ``DDPKIT_STALL_TIMEOUT`` or 60; 0 turns the watchdog off.
+        check_collectives: compare every collective's op, dtype, shape and call site across ranks
+            before it runs (default ``DDPKIT_CHECK_COLLECTIVES``, off).
 
     Returns:
         The detected ``DistEnv`` with ``backend`` (None in the single-process fallback) and ``device``
@@ -72,13 +80,15 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
 
     Raises:
         LauncherVariableError: contradictory launcher variables (a ValueError).
-        ValueError: an unknown backend or a bad timeout.
+        ValueError: an unknown backend, a bad timeout or stall_timeout (naming the variable).
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
     timeout = _as_timedelta(timeout)
+    settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
     if _state["env"] is not None and dist.is_initialized():
         _check_same_backend(backend)
         return _state["env"]
+    store = None
     if dist.is_initialized():
         env = _adopt_existing_group()
     else:
@@ -99,12 +109,18 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None) -
         env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
         atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs
         atexit.register(_let_collective_threads_settle)
+    if _watch[0] is not None:  # the group it watched was destroyed behind shutdown()'s back
+        _watch[0].end()
+    _watch[0] = hangs.start(env.rank, env.world_size, store, settings)
     _state["env"] = env
     return env
 
 
 def shutdown() -> None:
     """Destroy the process group ``init()`` created; safe to call twice or without ``init()``."""
+    watch, _watch[0] = _watch[0], None
+    if watch is not None:  # first: ranks still waiting for this one learn that it left, and from where
+        watch.end("shutdown", hangs.where_called())
     if dist.is_initialized():
         dist.destroy_process_group()
     _state["env"] = None

@@ -1,0 +1,119 @@
+"""Hangs explain themselves: a collective recorder, a watchdog per rank, and the report.
+
+``start()`` is called by ``ddpkit.init()`` once the process group exists and ``stop()`` by
+``ddpkit.shutdown()``. Between them every collective is recorded (``recorder``); a stalled one makes
+the ranks compare notes through the rendezvous store (``watchdog``, ``inquiry``), and every rank prints
+the same report (``report``); a certain deadlock ends the job with ``HANG_EXIT_CODE``. Strict mode
+(``strict``) checks every collective before it runs. See Note [Hang reports] in docs/design.md.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ddpkit.runtime.hangs.callsite import call_site, format_site, traceback_site
+from ddpkit.runtime.hangs.inquiry import Inquiry
+from ddpkit.runtime.hangs.recorder import Record, Recorder
+from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, read_settings
+from ddpkit.runtime.hangs.strict import StrictCheck
+from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, HANG_EXIT_CODE, Watchdog
+
+__all__ = ["HangWatch", "start", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings", "read_settings"]
+
+# Phrases of a collective that failed because a peer went away (Gloo's; NCCL's come as DistBackendError)
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Read error", "Write error", "Timed out")
+
+
+class HangWatch:
+    """The recorder, the strict check and the watchdog of one process group, started and stopped together."""
+
+    def __init__(self, rank: int, world_size: int, settings: HangSettings, watch_store: dist.Store,
+                 main_store: dist.Store) -> None:
+        self.rank, self.settings = rank, settings
+        self.recorder = Recorder()
+        self.inquiry = Inquiry(watch_store, rank, world_size)
+        self.watchdog = Watchdog(self.recorder, self.inquiry, settings.stall_timeout, rank) \
+            if settings.stall_timeout > 0 else None
+        if settings.check_collectives:
+            self.recorder.before = StrictCheck(main_store, rank)
+        self.recorder.failed = self._collective_failed
+
+    def begin(self) -> None:
+        self.inquiry.introduce()
+        self.recorder.install()
+        if self.watchdog is not None:
+            self.watchdog.start()
+        atexit.register(self._at_exit)
+
+    def end(self, how: str = "shutdown", where: str | None = None, error: str | None = None) -> None:
+        """Leave the job: the last word first (the others may be waiting for this rank), then unwrap."""
+        atexit.unregister(self._at_exit)
+        try:
+            self.inquiry.last_word({"how": how, "where": where or self._last_collective(), "error": error,
+                                    "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
+        except Exception:  # noqa: BLE001 - the store is gone with the job: nothing to tell
+            pass
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.recorder.uninstall()
+
+    def _at_exit(self) -> None:
+        error = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script
+        if error is None:
+            self.end("exit")
+        else:
+            self.end("exception", format_site(traceback_site(error.__traceback__)),
+                     f"{type(error).__name__}: {error}"[:300])
+
+    def _last_collective(self) -> str:
+        last: Record | None = None
+        for log in self.recorder.groups():
+            if log.ring and (last is None or log.ring[-1].start > last.start):
+                last = log.ring[-1]
+        return "none" if last is None else f"{last.op} #{last.seq} at {format_site(last.site)}"
+
+    def _collective_failed(self, record: Record, error: BaseException) -> None:
+        """A collective raised: if a peer went away, ask everyone at once instead of showing Gloo's words."""
+        gone = isinstance(error, getattr(dist, "DistBackendError", ())) or (
+            isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE))
+        if gone and self.watchdog is not None:
+            self.watchdog.inquire_now(3 * ANSWER_SECONDS)
+
+
+def start(rank: int, world_size: int, store: dist.Store | None, settings: HangSettings) -> HangWatch | None:
+    """Start recording and watching the group ``init()`` just made; None when there is nothing to do
+    (a world of one, both features off, or no store to talk through)."""
+    if world_size < 2 or not settings.recording:
+        return None
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+    main_store, watch_store = _stores(store, rank)
+    watch = HangWatch(rank, world_size, settings, watch_store, main_store)
+    watch.begin()
+    return watch
+
+
+def _stores(store: dist.Store, rank: int) -> tuple[dist.Store, dist.Store]:
+    """Two views of one key space for this job: one for the main thread, one (its own connection,
+    where the store is a TCPStore) for the watchdog, so that neither blocks the other's calls."""
+    if rank == 0:
+        store.set("ddpkit-hangs/prefix", uuid.uuid4().hex)
+    prefix = f"ddpkit-hangs/{store.get('ddpkit-hangs/prefix').decode()}"
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    own = base
+    if isinstance(base, dist.TCPStore):
+        own = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                            timeout=timedelta(seconds=30))
+    return dist.PrefixStore(prefix, base), dist.PrefixStore(prefix, own)
+
+
+def where_called() -> str:
+    """``file:line in function()`` of the user code calling the function that calls this."""
+    site, _ = call_site(3)
+    return format_site(site)

@@ -1,0 +1,87 @@
+"""Where a collective was called from, and where a thread is now, as ``file:line in function``.
+
+The place a user can act on is the first frame outside ddpkit, torch and the standard library: the
+``dist.all_reduce`` in the training script, or the ``loss.backward()`` whose hook issued DDP's bucket.
+The walk is a few attribute reads per frame, with the verdict per code object cached, since it runs
+on every collective.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from types import CodeType, FrameType
+
+import torch
+
+import ddpkit
+
+__all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site"]
+
+Site = tuple  # (filename, lineno, function): formatted only when a report needs it
+
+_DDP = os.path.join(os.path.dirname(ddpkit.__file__), "ddp") + os.sep
+_OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ddpkit, torch))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_internal: dict[CodeType, bool] = {}
+
+
+def _is_internal(code: CodeType) -> bool:
+    known = _internal.get(code)
+    if known is None:
+        name = code.co_filename
+        if name.startswith("<frozen") or name.startswith(_OURS):
+            known = True
+        else:
+            known = name.startswith(_STDLIB) and not any(part in name for part in _THIRD_PARTY)
+        _internal[code] = known
+    return known
+
+
+def call_site(depth: int = 2) -> tuple[Site | None, bool]:
+    """The caller's user frame as a ``Site``, and whether ddpkit's DDP issued the call on the way."""
+    frame: FrameType | None = sys._getframe(depth)
+    ddp = False
+    while frame is not None:
+        code = frame.f_code
+        if not _is_internal(code):
+            return (code.co_filename, frame.f_lineno, code.co_name), ddp
+        if not ddp and code.co_filename.startswith(_DDP):
+            ddp = True
+        frame = frame.f_back
+    return None, ddp
+
+
+def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:
+    """(the innermost user frame, the innermost frame) of a thread whose top frame is ``frame``."""
+    top = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+    while frame is not None and _is_internal(frame.f_code):
+        frame = frame.f_back
+    user = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+    return user, top
+
+
+def traceback_site(tb) -> Site | None:
+    """The innermost user frame of a traceback (where an uncaught exception was raised)."""
+    site = None
+    while tb is not None:
+        if not _is_internal(tb.tb_frame.f_code):
+            code = tb.tb_frame.f_code
+            site = (code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return site
+
+
+def format_site(site: Site | None) -> str:
+    """``train.py:88 in step()``, the path relative to the working directory when it is under it."""
+    if site is None:
+        return "an unknown place (no Python frame outside ddpkit and torch)"
+    filename, lineno, function = site
+    try:
+        relative = os.path.relpath(filename)
+        if not relative.startswith(".."):
+            filename = relative
+    except ValueError:  # another drive on Windows
+        pass
+    return f"{filename}:{lineno} in {function}()"

@@ -1,0 +1,101 @@
+"""The inquiry: how the ranks tell each other where they are, through the rendezvous store.
+
+Never through the process group, which is what is stuck. Keys, under a prefix of the job's own:
+``info/<rank>`` (pid and host, at init), ``inquiry`` (a counter: inquiry n is open once it reads n),
+``answer/<n>/<rank>`` (a rank's state), ``lead/<n>`` (the first rank to answer builds the report),
+``report/<n>`` (the report), ``final/<rank>`` (a rank's last word as it leaves the job). The store
+is polled with ``check``: a ``wait`` that times out makes torch log a warning per call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Inquiry", "pid_exited"]
+
+_POLL = 0.05
+
+
+def pid_exited(pid: int | None, host: str | None) -> bool | None:
+    """True when ``pid`` on this host is gone, None when that cannot be known (another host)."""
+    if not pid or host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class Inquiry:
+    """One rank's side of the protocol over a store that belongs to the watchdog's thread alone."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+
+    def introduce(self) -> None:
+        self._put(f"info/{self.rank}", {"pid": os.getpid(), "host": socket.gethostname()})
+
+    def current(self) -> int:
+        return self.store.add("inquiry", 0)
+
+    def open(self, seen: int) -> int:
+        """Open inquiry ``seen + 1`` unless another rank opened one already; the number to answer."""
+        return int(self.store.compare_set("inquiry", str(seen), str(seen + 1)))
+
+    def answer(self, n: int, state: dict[str, Any]) -> bool:
+        """Publish this rank's state for inquiry ``n``; True if this rank is the one to report."""
+        self._put(f"answer/{n}/{self.rank}", state)
+        return self.store.add(f"lead/{n}", 1) == 1
+
+    def collect(self, n: int, seconds: float) -> tuple[dict[int, dict], dict[int, dict]]:
+        """Every rank's answer to ``n`` within ``seconds``; for those without one, what is known."""
+        answers: dict[int, dict] = {}
+        finals: dict[int, dict] = {}
+        deadline = time.monotonic() + seconds
+        pending = list(range(self.world_size))
+        while True:
+            for rank in list(pending):
+                if self.store.check([f"answer/{n}/{rank}"]):
+                    answers[rank] = self._get(f"answer/{n}/{rank}")
+                    pending.remove(rank)
+            gone = {r: self._known(r) for r in pending}
+            if all(info.get("final") or info.get("exited") for info in gone.values()) or \
+                    time.monotonic() > deadline:
+                finals = gone
+                break
+            time.sleep(_POLL)  # other ranks answer from their own watchdog's next tick
+        return answers, finals
+
+    def _known(self, rank: int) -> dict[str, Any]:
+        info = self._get(f"info/{rank}") if self.store.check([f"info/{rank}"]) else {}
+        final = self._get(f"final/{rank}") if self.store.check([f"final/{rank}"]) else None
+        return {"pid": info.get("pid"), "host": info.get("host"), "final": final,
+                "exited": pid_exited(info.get("pid"), info.get("host"))}
+
+    def publish_report(self, n: int, report: dict[str, Any]) -> None:
+        self._put(f"report/{n}", report)
+
+    def wait_report(self, n: int, seconds: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.store.check([f"report/{n}"]):
+                return self._get(f"report/{n}")
+            time.sleep(_POLL)  # the reporting rank is still collecting answers
+        return None
+
+    def last_word(self, word: dict[str, Any]) -> None:
+        self._put(f"final/{self.rank}", word)
+
+    def _put(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def _get(self, key: str) -> Any:
+        return json.loads(self.store.get(key))

@@ -1,0 +1,201 @@
+"""The collective recorder: every ``torch.distributed`` collective, numbered per group, in a ring buffer.
+
+``install()`` replaces the collective functions in both ``torch.distributed`` and its
+``distributed_c10d`` module (where torch's own ``*_object`` collectives look them up) with a thin
+wrapper; ddpkit's DDP and collectives call them through the module, so they are recorded too. A
+synchronous call ends when it returns; an ``async_op=True`` call ends when its ``Work`` completes,
+which the watchdog polls off the hot path. See Note [Hang reports] in docs/design.md.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import threading
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ddpkit.runtime.hangs.callsite import Site, call_site, format_site
+
+__all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES"]
+
+# op -> (the argument whose dtype and shape describe the call, the argument naming a root rank)
+COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
+    "all_reduce": ("tensor", None), "broadcast": ("tensor", "src"), "all_gather": ("tensor", None),
+    "all_gather_into_tensor": ("input_tensor", None), "reduce_scatter": ("output", None),
+    "reduce_scatter_tensor": ("input", None), "reduce": ("tensor", "dst"), "gather": ("tensor", "dst"),
+    "scatter": ("tensor", "src"), "all_to_all": ("input_tensor_list", None),
+    "all_to_all_single": ("input", None), "barrier": (None, None),
+}
+_RING = 64
+
+
+class Record:
+    """One collective on one rank: what, where, when; ``end`` stays None while it is outstanding."""
+
+    __slots__ = ("seq", "op", "tensor", "root", "site", "ddp", "start", "end", "work", "error")
+
+    def __init__(self, seq: int, op: str, tensor: Any, root: Any, site: Site | None, ddp: bool) -> None:
+        self.seq, self.op, self.root, self.site, self.ddp = seq, op, root, site, ddp
+        # dtype and shape only: holding the tensor would keep its memory alive in the ring
+        if isinstance(tensor, (list, tuple)):
+            self.tensor = (len(tensor), tensor[0].dtype, tuple(tensor[0].shape)) if tensor else (0, None, ())
+        else:
+            self.tensor = None if tensor is None else (None, tensor.dtype, tuple(tensor.shape))
+        self.start, self.end, self.work, self.error = time.monotonic(), None, None, None
+
+    def what(self) -> str:
+        """``float32[10, 3]``, ``4 x float32[10]`` for a list, ``from rank 0`` for a root; "" for a barrier."""
+        text = ""
+        if self.tensor is not None:
+            count, dtype, shape = self.tensor
+            text = f"{str(dtype).replace('torch.', '')}{list(shape)}" if dtype is not None else "[]"
+            text = text if count is None else f"{count} x {text}"
+        if self.root is not None:
+            text = f"{text} {'from' if self.op in ('broadcast', 'scatter') else 'to'} rank {self.root}".strip()
+        return text
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {"seq": self.seq, "op": self.op, "what": self.what(), "site": format_site(self.site),
+                "ddp": self.ddp, "age": round(now - self.start, 1), "error": self.error,
+                "outstanding": self.end is None}
+
+
+class GroupLog:
+    """One process group's numbered collectives on this rank."""
+
+    def __init__(self, name: str, ranks: list[int], default: bool) -> None:
+        self.name, self.ranks, self.default = name, ranks, default
+        self.seq = 0
+        self.ring: collections.deque[Record] = collections.deque(maxlen=_RING)
+
+    def snapshot(self, now: float, recent: int = 16) -> dict[str, Any]:
+        records = list(self.ring)
+        done = [r.seq for r in records if r.end is not None and r.error is None]
+        return {"name": self.name, "ranks": self.ranks, "default": self.default, "seq": self.seq,
+                "done": max(done) if done else 0,
+                "waiting": [r.describe(now) for r in records if r.end is None or r.error],
+                "recent": [r.describe(now) for r in records[-recent:]]}
+
+
+class Recorder:
+    """Wraps torch's collectives while installed; ``before`` (strict mode) and ``failed`` are hooks."""
+
+    def __init__(self) -> None:
+        self.logs: dict[Any, GroupLog | None] = {}
+        self.before: Callable[[GroupLog, Record], None] | None = None
+        self.failed: Callable[[Record, BaseException], None] | None = None
+        self._inside = threading.local()
+        self._originals: dict[str, Callable] = {}
+
+    # ---- installing -------------------------------------------------------------------------------
+    def install(self) -> None:
+        for op, (tensor_arg, root_arg) in COLLECTIVES.items():
+            original = getattr(c10d, op)
+            self._originals[op] = original
+            wrapper = self._wrap(op, original, tensor_arg, root_arg)
+            setattr(c10d, op, wrapper)
+            if getattr(dist, op, None) is original:
+                setattr(dist, op, wrapper)
+
+    def uninstall(self) -> None:
+        for op, original in self._originals.items():
+            for module in (c10d, dist):
+                if getattr(getattr(module, op, None), "__ddpkit_recorder__", None) is self:
+                    setattr(module, op, original)
+        self._originals.clear()
+        self.logs.clear()
+
+    def _wrap(self, op: str, fn: Callable, tensor_arg: str | None, root_arg: str | None) -> Callable:
+        names = list(inspect.signature(fn).parameters)
+        group_at, async_at = names.index("group"), names.index("async_op")
+        tensor_at = names.index(tensor_arg) if tensor_arg else None
+        root_at = names.index(root_arg) if root_arg else None
+        inside, logs = self._inside, self.logs
+
+        @functools.wraps(fn)
+        def collective(*args, **kwargs):
+            if getattr(inside, "depth", 0):  # torch calling one collective from another
+                return fn(*args, **kwargs)
+            group = kwargs["group"] if "group" in kwargs else args[group_at] if len(args) > group_at else None
+            log = logs.get(group)
+            if log is None:
+                log = self._log_for(group)
+                if log is None:  # not a member, or not a group: torch's own checks answer
+                    return fn(*args, **kwargs)
+            log.seq += 1
+            tensor = (kwargs.get(tensor_arg) if tensor_arg in kwargs else args[tensor_at]
+                      if tensor_at is not None and len(args) > tensor_at else None)
+            root = (kwargs.get(root_arg) if root_arg in kwargs else args[root_at]
+                    if root_at is not None and len(args) > root_at else None)
+            site, ddp = call_site()
+            record = Record(log.seq, op, tensor, root, site, ddp)
+            log.ring.append(record)
+            if self.before is not None:
+                try:
+                    self.before(log, record)
+                except BaseException as e:
+                    record.end, record.error = time.monotonic(), type(e).__name__
+                    raise
+            inside.depth = 1
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                record.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                record.end = time.monotonic()
+                inside.depth = 0
+                if self.failed is not None:
+                    self.failed(record, e)
+                raise
+            inside.depth = 0
+            async_op = kwargs["async_op"] if "async_op" in kwargs else len(args) > async_at and args[async_at]
+            if async_op and result is not None:
+                record.work = result
+            else:
+                record.end = time.monotonic()
+            return result
+
+        collective.__ddpkit_recorder__ = self
+        return collective
+
+    def _log_for(self, group: Any) -> GroupLog | None:
+        try:
+            if group is not None and c10d._rank_not_in_group(group):
+                return None
+            pg = group if group is not None else c10d._get_default_group()
+            default = pg is c10d._get_default_group()
+            log = GroupLog(str(pg.group_name), dist.get_process_group_ranks(pg), default)
+        except (AttributeError, RuntimeError, ValueError, TypeError):
+            return None
+        self.logs[group] = log
+        if group is None or default:
+            self.logs[None] = self.logs[pg] = log
+        return log
+
+    # ---- what the watchdog reads ------------------------------------------------------------------
+    def groups(self) -> list[GroupLog]:
+        unique: dict[int, GroupLog] = {}
+        for log in list(self.logs.values()):
+            if log is not None:
+                unique[id(log)] = log
+        return list(unique.values())
+
+    def poll_works(self) -> None:
+        """Mark async collectives whose ``Work`` has completed as ended (and drop the Work)."""
+        now = time.monotonic()
+        for log in self.groups():
+            for record in list(log.ring):
+                work = record.work
+                if work is not None and record.end is None and work.is_completed():
+                    record.end, record.work = now, None
+
+    def oldest_outstanding(self) -> Record | None:
+        oldest = None
+        for log in self.groups():
+            for record in list(log.ring):
+                if record.end is None and (oldest is None or record.start < oldest.start):
+                    oldest = record
+        return oldest

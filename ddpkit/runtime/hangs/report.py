@@ -1,0 +1,202 @@
+"""The hang report: from what every rank said (or did not say) to text and a verdict.
+
+A pure function of the ranks' states, so that every wording is unit-tested in one process. A state is
+what ``snapshot()`` publishes: per process group, the collectives still outstanding and the last ones
+done, and where the main thread is. The verdict is *certain* when no rank can ever move on: a rank has
+exited or does not answer, or the members of a group all wait and disagree, or every rank waits and no
+group's collective can complete. Otherwise the job may still go on (a slow rank), and it does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["build_report", "rank_list", "Report"]
+
+Report = dict  # {"text": str, "certain": bool, "picture": str}
+_RULE = "=" * 78
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-6, 8-15``: consecutive ranks as ranges."""
+    ranks = sorted(set(ranks))
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _group_name(group: dict[str, Any]) -> str:
+    return "the default group" if group["default"] else f"group {group['ranks']}"
+
+
+def _op(item: dict[str, Any]) -> str:
+    return f"{item['op']} #{item['seq']}"
+
+
+def _call(item: dict[str, Any]) -> str:
+    """``all_reduce #5 float32[10] at train.py:8 in step()`` (and DDP's, and a failure)."""
+    text = f"{_op(item)} {item['what']}".rstrip() + f" at {item['site']}"
+    if item.get("ddp"):
+        text += " (issued by DDP)"
+    if item.get("error"):
+        text += f", which failed: {item['error']}"
+    return text
+
+
+def _first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
+    """The oldest outstanding collective of a rank and its group, or None when it waits in none."""
+    found = [(item, group) for group in state["groups"] for item in group["waiting"]]
+    return max(found, key=lambda pair: pair[0]["age"]) if found else None
+
+
+def _waiting_in(state: dict[str, Any], name: str) -> dict | None:
+    for group in state["groups"]:
+        if group["name"] == name and group["waiting"]:
+            return min(group["waiting"], key=lambda item: item["seq"])
+    return None
+
+
+def _where(state: dict[str, Any]) -> str:
+    where = state.get("where") or "an unknown place"
+    top = state.get("top")
+    return where if not top or top == where else f"{where} (innermost: {top})"
+
+
+def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
+    """One line per distinct state, ranks grouped; and the picture (the lines without ages)."""
+    lines: dict[str, list[int]] = {}
+    ages: dict[str, float] = {}
+    for rank, state in answers.items():
+        waiting = _first_waiting(state)
+        if waiting is None:
+            line = f"in no collective; at {_where(state)}"
+        else:
+            item, group = waiting
+            line = f"waits in {_call(item)} [{_group_name(group)}]"
+            ages[line] = max(ages.get(line, 0.0), item["age"])
+        lines.setdefault(line, []).append(rank)
+    text = [f"  {rank_list(ranks)}: {line}" + (f", for {ages[line]:.1f} s" if line in ages else "")
+            for line, ranks in sorted(lines.items(), key=lambda kv: min(kv[1]))]
+    picture = "\n".join(f"{rank_list(ranks)}: {line}" for line, ranks in sorted(lines.items()))
+    return text, picture
+
+
+def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
+    final = info.get("final")
+    if final:
+        if final["how"] == "exception":
+            return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
+        if final["how"] == "shutdown":
+            return f"rank {rank} has left the job: it called ddpkit.shutdown() at {final['where']}"
+        return f"rank {rank} has exited: its script ended (its last collective: {final['where']})"
+    pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
+    if info.get("exited"):
+        return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
+                "memory?), a crash in native code, or os._exit")
+    return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process may have died "
+            "or be stuck outside Python")
+
+
+def _divergence(groups_by_rank: dict[int, list[dict]], name: str) -> tuple[int, str] | None:
+    """The first collective of group ``name`` that the ranks called from different places."""
+    calls: dict[int, dict[int, tuple]] = {}
+    for rank, rank_groups in groups_by_rank.items():
+        for group in rank_groups:
+            if group["name"] == name:
+                calls[rank] = {i["seq"]: (i["op"], i["what"], i["site"]) for i in group["recent"] + group["waiting"]}
+    if len(calls) < 2:
+        return None
+    common = set.intersection(*(set(c) for c in calls.values()))
+    for seq in sorted(common):
+        seen: dict[tuple, list[int]] = {}
+        for rank, c in calls.items():
+            seen.setdefault(c[seq], []).append(rank)
+        if len(seen) > 1:
+            sides = "; ".join(f"{rank_list(ranks)} {op} {what} at {site}".replace("  ", " ")
+                              for (op, what, site), ranks in sorted(seen.items(), key=lambda kv: min(kv[1])))
+            return seq, f"the first collective the ranks called from different places is #{seq}: {sides}."
+    return None
+
+
+def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: float) -> tuple[list[str], bool]:
+    sentences: list[str] = []
+    certain = False
+    groups = {g["name"]: g for s in answers.values() for g in s["groups"]}
+    for info in missing.values():
+        for group in info.get("final", {}).get("groups", []) if info.get("final") else []:
+            groups.setdefault(group["name"], group)
+    waiting_groups = {g: groups[g] for g in groups if any(_waiting_in(s, g) for s in answers.values())}
+    busy = [r for r, s in answers.items() if _first_waiting(s) is None]
+    known = {r: s["groups"] for r, s in answers.items()}
+    known.update({r: info["final"].get("groups", []) for r, info in missing.items() if info.get("final")})
+    for rank, info in sorted(missing.items()):
+        sentence = _missing_sentence(rank, info, answer_seconds)
+        waiting = [r for r in answers if _first_waiting(answers[r])]
+        if waiting:
+            item = _first_waiting(answers[min(waiting)])[0]
+            sentence += f"; {rank_list(waiting)} wait in {_op(item)} ({item['site']})"
+        sentences.append(sentence + ".")
+        certain = True
+    can_complete = False
+    for name, group in sorted(waiting_groups.items()):
+        members = [r for r in group["ranks"] if r in answers]
+        items = {r: _waiting_in(answers[r], name) for r in members}
+        waiters = [r for r in members if items[r] is not None]
+        signatures: dict[tuple, list[int]] = {}
+        for r in waiters:
+            it = items[r]
+            signatures.setdefault((it["seq"], it["op"], it["what"]), []).append(r)
+        absent = [r for r in members if items[r] is None]
+        where = f" of {_group_name(group)}" if not group["default"] else ""
+        if len(signatures) > 1:
+            seqs = sorted({sig[0] for sig in signatures})
+            at = f"#{seqs[0]}" if len(seqs) == 1 else "their next collective"
+            sides = ", ".join(f"{rank_list(rs)} {_call(items[rs[0]])}"
+                              for sig, rs in sorted(signatures.items(), key=lambda kv: min(kv[1])))
+            sentences.append(f"the ranks disagree at {at}{where}: {sides}.")
+            if not absent and not [r for r in group["ranks"] if r in missing]:
+                certain = True
+        elif not absent and not [r for r in group["ranks"] if r in missing]:
+            can_complete = True
+            item = items[waiters[0]]
+            sentences.append(f"{rank_list(waiters)} all wait in {_op(item)}{where} ({item['site']}) and agree: "
+                             "the collective itself is slow or stuck (network, GPU, or a peer's send/recv).")
+        for r in absent:
+            item = items[waiters[0]] if waiters else None
+            if item is None:
+                continue
+            elsewhere = _first_waiting(answers[r])
+            if elsewhere is None:
+                state = f"it is at {_where(answers[r])}"
+            else:
+                state = f"it waits in {_call(elsewhere[0])} of {_group_name(elsewhere[1])} instead"
+            sentences.append(f"rank {r} has not reached {_op(item)}{where} ({item['site']}) that "
+                             f"{rank_list(waiters)} wait{'s' if len(waiters) == 1 else ''} in; {state}.")
+        hint = _divergence(known, name) if (absent or len(signatures) > 1 or missing) else None
+        if hint and not (len(signatures) > 1 and {hint[0]} == {sig[0] for sig in signatures}):
+            sentences.append(hint[1])
+    if not busy and not can_complete and waiting_groups:
+        certain = True
+    return sentences, certain
+
+
+def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_timeout: float,
+                 answer_seconds: float, seen_by: int, exit_code: int) -> Report:
+    """The report every rank prints, and whether the deadlock is certain (the job then ends)."""
+    lines, picture = _state_lines(answers)
+    for rank, info in sorted(missing.items()):
+        lines.append(f"  rank {rank}: no answer" + (f" ({info['final']['how']})" if info.get("final") else ""))
+        picture += f"\nrank {rank}: missing"
+    sentences, certain = _judge(answers, missing, answer_seconds)
+    if not sentences:
+        sentences = ["no rank waits in a collective any more."]
+    after = (f"a certain deadlock: every rank ends now with exit code {exit_code}."
+             if certain else "slow is not wrong: the job goes on; another report follows if this changes.")
+    text = "\n".join([_RULE, f"ddpkit: a collective has waited longer than stall_timeout={stall_timeout:g} s "
+                      f"(report of rank {seen_by}). Where each rank is:", *lines, "Verdict:",
+                      *(f"  {s}" for s in sentences), f"What next: {after}",
+                      "(DDPKIT_STALL_TIMEOUT sets the delay, 0 turns this off)", _RULE])
+    return {"text": text, "certain": certain, "picture": picture}

@@ -1,0 +1,47 @@
+"""Strict mode (``DDPKIT_CHECK_COLLECTIVES=1``): compare each collective across ranks before it runs.
+
+A collective that would not hang can still be wrong: two ranks reducing same-sized tensors from
+different lines mix unrelated values, silently. Here every rank publishes (op, dtype, shape, call
+site) for (group, sequence number) and reads the other members' before the collective runs, so the
+first difference raises on every rank, naming both sides. It costs a few store round trips per
+collective (see the README), which is why it is opt-in.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ddpkit.errors import CollectiveMismatchError, explain
+from ddpkit.runtime.hangs.callsite import format_site
+from ddpkit.runtime.hangs.recorder import GroupLog, Record
+from ddpkit.runtime.hangs.report import rank_list
+
+__all__ = ["StrictCheck"]
+
+
+class StrictCheck:
+    """The recorder's ``before`` hook; ``store`` is used from the calling thread only."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self.store, self.rank = store, rank
+
+    def __call__(self, log: GroupLog, record: Record) -> None:
+        key = f"check/{log.name}/{{}}/{{}}"
+        mine = f"{record.op} {record.what()} at {format_site(record.site)}".replace("  ", " ")
+        self.store.set(key.format(record.seq, self.rank), mine)
+        keys = [key.format(record.seq, r) for r in log.ranks]
+        self.store.wait(keys)
+        theirs = dict(zip(log.ranks, (v.decode() for v in self.store.multi_get(keys))))
+        if record.seq > 1:  # every member has read it: each published this seq only after that
+            self.store.delete_key(key.format(record.seq - 1, self.rank))
+        if len(set(theirs.values())) > 1:
+            sides: dict[str, list[int]] = {}
+            for r, sig in theirs.items():
+                sides.setdefault(sig, []).append(r)
+            ordered = sorted(sides.items(), key=lambda kv: min(kv[1]))
+            listed = "; ".join(f"{rank_list(rs)}: {sig}" for sig, rs in ordered)
+            where = "the default group" if log.default else f"group {log.ranks}"
+            raise CollectiveMismatchError(explain(
+                f"the ranks disagree at collective #{record.seq} of {where}: {listed}.",
+                "every rank must call the same collectives in the same order, from the same line "
+                "(DDPKIT_CHECK_COLLECTIVES=1 checks this).", who="ddpkit", rank=self.rank),
+                rank=self.rank, seq=record.seq, group=log.ranks, by_rank=theirs)

@@ -1,0 +1,132 @@
+"""The watchdog: one daemon thread per rank that notices a stalled collective and runs the inquiry.
+
+Every tick it marks finished async collectives, answers any inquiry another rank opened, and opens
+one itself when its oldest outstanding collective is older than ``stall_timeout`` (again only after
+another ``stall_timeout``). A report is printed when the picture changes; a certain deadlock prints it
+and ends the process with ``HANG_EXIT_CODE``, since the main thread is stuck where it cannot be reached.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from ddpkit.runtime.hangs.callsite import format_site, thread_site
+from ddpkit.runtime.hangs.inquiry import Inquiry
+from ddpkit.runtime.hangs.recorder import Recorder
+from ddpkit.runtime.hangs.report import build_report
+
+__all__ = ["Watchdog", "HANG_EXIT_CODE", "ANSWER_SECONDS", "snapshot"]
+
+HANG_EXIT_CODE = 86
+"""The exit code of every rank of a job that the watchdog ended in a certain deadlock."""
+
+ANSWER_SECONDS = 5.0
+"""How long the reporting rank waits for the others' answers; a rank that exited says so at once."""
+
+
+def snapshot(recorder: Recorder, rank: int, main_thread: int | None) -> dict[str, Any]:
+    """This rank's state as published: its groups' outstanding and recent collectives, and where
+    its main thread is (what matters when it waits in no collective)."""
+    recorder.poll_works()
+    now = time.monotonic()
+    frame = sys._current_frames().get(main_thread) if main_thread is not None else None
+    user, top = thread_site(frame)
+    return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "where": format_site(user) if user else None, "top": format_site(top) if top else None,
+            "groups": [log.snapshot(now) for log in recorder.groups()]}
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring; ``stop()`` ends it, ``inquire_now()`` serves a failed collective."""
+
+    def __init__(self, recorder: Recorder, inquiry: Inquiry, stall_timeout: float, rank: int) -> None:
+        super().__init__(name=f"ddpkit-hang-watchdog-rank{rank}", daemon=True)
+        self.recorder, self.inquiry, self.stall_timeout, self.rank = recorder, inquiry, stall_timeout, rank
+        self.poll = min(1.0, max(0.1, stall_timeout / 20))
+        self.main_thread = threading.main_thread().ident
+        self._stop_event = threading.Event()
+        self._wanted = threading.Event()   # a collective failed: inquire at once
+        self._served = threading.Event()
+        self._answered = 0
+        self._last_inquiry = -float("inf")
+        self._last_picture: str | None = None
+        self._store_failed = False
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2 * ANSWER_SECONDS)
+
+    def inquire_now(self, seconds: float) -> None:
+        """Called by a thread whose collective raised: inquire at once and wait for the verdict (a
+        certain one ends the process; otherwise the caller re-raises its error)."""
+        if not self.is_alive():
+            return
+        self._served.clear()
+        self._wanted.set()
+        self._served.wait(seconds)
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0 if self._wanted.is_set() else self.poll):
+            try:
+                self._tick()
+            except Exception as e:  # noqa: BLE001 - the store is gone: the job is over or ending
+                self._store_lost(e)
+            finally:
+                if self._wanted.is_set() and not self._stop_event.is_set():
+                    self._wanted.clear()
+                    self._served.set()
+
+    def _tick(self) -> None:
+        self.recorder.poll_works()
+        n = self.inquiry.current()
+        if n > self._answered:
+            self._take_part(n)
+        elif self._wanted.is_set() or self._stalled():
+            self._take_part(self.inquiry.open(self._answered))
+
+    def _stalled(self) -> bool:
+        oldest = self.recorder.oldest_outstanding()
+        now = time.monotonic()
+        return (oldest is not None and now - oldest.start >= self.stall_timeout
+                and now - self._last_inquiry >= self.stall_timeout)
+
+    def _take_part(self, n: int) -> None:
+        self._answered, self._last_inquiry = n, time.monotonic()
+        leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread))
+        report = None if leads else self.inquiry.wait_report(n, ANSWER_SECONDS + 3)
+        if report is None:
+            answers, missing = self.inquiry.collect(n, ANSWER_SECONDS)
+            report = build_report(answers, missing, stall_timeout=self.stall_timeout,
+                                  answer_seconds=ANSWER_SECONDS, seen_by=self.rank, exit_code=HANG_EXIT_CODE)
+            if leads:
+                self.inquiry.publish_report(n, report)
+        self._show(report)
+
+    def _show(self, report: dict[str, Any]) -> None:
+        if report["picture"] != self._last_picture or report["certain"]:
+            self._last_picture = report["picture"]
+            sys.stderr.write(f"[rank {self.rank}] " + report["text"].replace("\n", f"\n[rank {self.rank}] ") + "\n")
+            sys.stderr.flush()
+        if report["certain"]:
+            sys.stdout.flush()
+            os._exit(HANG_EXIT_CODE)
+
+    def _store_lost(self, error: Exception) -> None:
+        """Without the store there is no inquiry; when stalled too, say what this rank knows and end."""
+        if not self._store_failed:
+            self._store_failed = True
+            sys.stderr.write(f"[rank {self.rank}] ddpkit: the hang watchdog cannot reach the rendezvous "
+                             f"store ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                             "the launcher or the rank hosting it may have exited.\n")
+        if self._wanted.is_set() or self._stalled():
+            oldest = self.recorder.oldest_outstanding()
+            where = "a collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
+            sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where} and cannot ask the "
+                             f"others; a certain deadlock: ending with exit code {HANG_EXIT_CODE}.\n")
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)

@@ -1,0 +1,120 @@
+"""The hangs of the tests, one function per rank body; ``# <- name`` marks the lines a report must name.
+
+Each runs on every rank of a job made by ``jobs.run_job`` after ``ddpkit.init(stall_timeout=...)``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+
+SLOW_SECONDS = 3.5  # longer than the tests' stall_timeout plus one inquiry
+
+
+def skipped(rank: int) -> None:
+    """Rank 1 skips the logging all-reduce and waits in the barrier that follows."""
+    x = torch.ones(4)
+    for _ in range(2):
+        dist.all_reduce(x)
+    if rank != 1:
+        dist.all_reduce(torch.ones(1))  # <- skipped
+    dist.barrier()  # <- skipped-barrier
+
+
+def extra(rank: int) -> None:
+    """Rank 0 reduces one tensor more; the same size, so it pairs with rank 1's next, which then leaves."""
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))  # <- extra
+    dist.all_reduce(x)  # <- extra-next
+    ddpkit.shutdown()  # <- extra-leaves
+
+
+def different_op(rank: int) -> None:
+    t = torch.ones(3)
+    if rank == 0:
+        dist.all_reduce(t)  # <- op-0
+    else:
+        dist.broadcast(t, src=0)  # <- op-1
+
+
+def different_shapes(rank: int) -> None:
+    dist.all_reduce(torch.ones(10 if rank == 0 else 20))  # <- shapes
+
+
+def slow(rank: int) -> None:
+    """Rank 1 is slow once; the job then ends well."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(SLOW_SECONDS)  # <- slow
+    dist.all_reduce(t)  # <- slow-wait
+    assert t.tolist() == [4.0, 4.0]
+
+
+def killed(rank: int) -> None:
+    """Rank 2 is killed (SIGKILL) while it waits in an all-reduce that rank 0 is late for."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 2:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if rank == 0:
+        time.sleep(1.5)  # the late rank: rank 2 dies inside the collective meanwhile
+    dist.all_reduce(t)  # <- killed
+
+
+def spin(rank: int) -> None:
+    """Rank 1 never leaves a Python loop."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    n = 0
+    while rank == 1:
+        n += 1  # <- spin
+    dist.all_reduce(t)  # <- spin-wait
+
+
+def subgroup(rank: int) -> None:
+    """Inside group [2, 3] the ranks call different collectives; ranks 0 and 1 wait in a barrier."""
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    t = torch.ones(3)
+    if rank == 2:
+        dist.all_reduce(t, group=high)  # <- sub-2
+    elif rank == 3:
+        dist.broadcast(t, src=2, group=high)  # <- sub-3
+    else:
+        dist.all_reduce(t, group=low)
+    dist.barrier()  # <- sub-barrier
+
+
+def ddp_skips_backward(rank: int) -> None:
+    """Rank 1 skips one backward, so its barrier meets rank 0's last gradient bucket."""
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+    for step in range(3):
+        loss = model(torch.ones(8, 4)).sum()
+        if not (rank == 1 and step == 1):
+            loss.backward()  # <- ddp-backward
+    dist.barrier()  # <- ddp-barrier
+
+
+def strict_same_size(rank: int) -> None:
+    """Same op, dtype and shape, from different lines: runs fine without strict mode, mixing tensors."""
+    a, b = torch.ones(5), torch.zeros(5)
+    if rank == 0:
+        dist.all_reduce(a)  # <- strict-0
+    else:
+        dist.all_reduce(b)  # <- strict-1
+
+
+def strict_agree(rank: int) -> None:
+    for _ in range(3):
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        assert t.tolist() == [2.0] * 5
