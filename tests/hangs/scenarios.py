@@ -75,8 +75,8 @@ def spin(rank: int) -> None:
     t = torch.ones(2)
     dist.all_reduce(t)
     n = 0
-    while rank == 1:
-        n += 1  # <- spin
+    while rank == 1:  # <- spin
+        n += 1  # <- spin-body
     dist.all_reduce(t)  # <- spin-wait
 
 

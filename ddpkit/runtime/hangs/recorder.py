@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -31,6 +32,14 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "all_to_all_single": ("input", None), "barrier": (None, None),
 }
 _RING = 64
+
+
+def _short_error(error: BaseException) -> str:
+    """``RuntimeError: Connection closed by peer [127.0.0.1]:1205``: Gloo's words without its source
+    path and its advice."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically")[0]
+    return f"{type(error).__name__}: {text}"[:200]
 
 
 class Record:
@@ -144,7 +153,7 @@ class Recorder:
             try:
                 result = fn(*args, **kwargs)
             except BaseException as e:
-                record.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                record.error = _short_error(e)
                 record.end = time.monotonic()
                 inside.depth = 0
                 if self.failed is not None:

@@ -75,7 +75,7 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
             line = f"in no collective; at {_where(state)}"
         else:
             item, group = waiting
-            line = f"waits in {_call(item)} [{_group_name(group)}]"
+            line = f"{'was' if item.get('error') else 'waits'} in {_call(item)} [{_group_name(group)}]"
             ages[line] = max(ages.get(line, 0.0), item["age"])
         lines.setdefault(line, []).append(rank)
     text = [f"  {rank_list(ranks)}: {line}" + (f", for {ages[line]:.1f} s" if line in ages else "")
@@ -137,7 +137,8 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
         waiting = [r for r in answers if _first_waiting(answers[r])]
         if waiting:
             item = _first_waiting(answers[min(waiting)])[0]
-            sentence += f"; {rank_list(waiting)} wait in {_op(item)} ({item['site']})"
+            verb = "waits" if len(waiting) == 1 else "wait"
+            sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
         sentences.append(sentence + ".")
         certain = True
     can_complete = False
@@ -195,8 +196,8 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
         sentences = ["no rank waits in a collective any more."]
     after = (f"a certain deadlock: every rank ends now with exit code {exit_code}."
              if certain else "slow is not wrong: the job goes on; another report follows if this changes.")
-    text = "\n".join([_RULE, f"ddpkit: a collective has waited longer than stall_timeout={stall_timeout:g} s "
-                      f"(report of rank {seen_by}). Where each rank is:", *lines, "Verdict:",
+    text = "\n".join([_RULE, f"ddpkit hang report (stall_timeout={stall_timeout:g} s, collected by rank "
+                      f"{seen_by}). Where each rank is:", *lines, "Verdict:",
                       *(f"  {s}" for s in sentences), f"What next: {after}",
                       "(DDPKIT_STALL_TIMEOUT sets the delay, 0 turns this off)", _RULE])
     return {"text": text, "certain": certain, "picture": picture}

@@ -105,6 +105,10 @@ class Watchdog(threading.Thread):
                                   answer_seconds=ANSWER_SECONDS, seen_by=self.rank, exit_code=HANG_EXIT_CODE)
             if leads:
                 self.inquiry.publish_report(n, report)
+                if report["certain"]:  # let the others read it before this rank's exit closes connections
+                    self.inquiry.wait_read(n, len(answers), ANSWER_SECONDS)
+        else:
+            self.inquiry.mark_read(n)
         self._show(report)
 
     def _show(self, report: dict[str, Any]) -> None:

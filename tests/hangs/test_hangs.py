@@ -1,0 +1,131 @@
+"""A hang explains itself: each way a job hangs, run on real ranks, and the report every rank prints.
+
+Each job runs with stall_timeout=1.5 s; a report must name the right ranks and ``file:line`` within
+stall_timeout plus a few seconds, a certain deadlock must end every rank with ``HANG_EXIT_CODE``, and a
+slow rank must not.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from jobs import line_of, run_job
+
+from ddpkit import HANG_EXIT_CODE
+
+pytestmark = pytest.mark.timeout(60)
+
+STALL = 1.5
+PROMPT = STALL + 8  # the stall, one inquiry (answers within a few seconds), the processes' start
+
+
+def _reported(logs: list[str]) -> bool:
+    return all("What next:" in text for text in logs)
+
+
+def _verdict(text: str) -> str:
+    return text[text.index("Verdict:"):text.index("What next:")]
+
+
+def test_skipped_collective_names_both_sides_and_ends_the_job(tmp_path):
+    job = run_job("skipped", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
+    verdict = _verdict(job.logs[1])
+    assert "disagree at #3" in verdict
+    assert f"rank 0 all_reduce #3 float32[1] at {line_of('skipped')}" in verdict
+    assert f"rank 1 barrier #3 at {line_of('skipped-barrier')}" in verdict
+    assert job.seconds < PROMPT
+
+
+def test_extra_collective_names_the_rank_that_left_and_where_the_ranks_went_apart(tmp_path):
+    job = run_job("extra", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE, 0], job.log()
+    verdict = _verdict(job.logs[0])
+    assert f"rank 1 has left the job: it called ddpkit.shutdown() at {line_of('extra-leaves')}" in verdict
+    assert f"rank 0 waits in all_reduce #3 ({line_of('extra-next')}" in verdict
+    assert (f"#2: rank 0 all_reduce float32[4] at {line_of('extra')} in extra(); "
+            f"rank 1 all_reduce float32[4] at {line_of('extra-next')}") in verdict
+    assert job.seconds < PROMPT
+
+
+def test_different_op_is_a_certain_deadlock(tmp_path):
+    job = run_job("different_op", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
+    for text in job.logs:
+        verdict = _verdict(text)
+        assert f"rank 0 all_reduce #1 float32[3] at {line_of('op-0')}" in verdict
+        assert f"rank 1 broadcast #1 float32[3] from rank 0 at {line_of('op-1')}" in verdict
+    assert job.seconds < PROMPT
+
+
+def test_different_shapes_name_the_rank_gloo_crashed_and_the_survivors_call(tmp_path):
+    # Gloo aborts the rank whose buffer is too small (SIGABRT, in C++): the other rank's all-reduce
+    # raises at once, and the inquiry finds the crashed process gone
+    job = run_job("different_shapes", 2, tmp_path, stall_timeout=STALL)
+    crashed = job.codes.index(-signal.SIGABRT)
+    survivor = 1 - crashed
+    assert job.codes[survivor] == HANG_EXIT_CODE, job.log()
+    verdict = _verdict(job.logs[survivor])
+    assert f"rank {crashed} (pid" in verdict and "has died without a word" in verdict
+    assert f"rank {survivor} waits in all_reduce #1 ({line_of('shapes')}" in verdict
+    assert "float32[20]" in job.logs[survivor] or "float32[10]" in job.logs[survivor]
+    assert job.seconds < PROMPT
+
+
+def test_slow_rank_is_reported_and_the_job_goes_on(tmp_path):
+    job = run_job("slow", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [0, 0], job.log()
+    verdict = _verdict(job.logs[0])
+    assert (f"rank 1 has not reached all_reduce #2 ({line_of('slow-wait')} in slow()) that rank 0 waits in; "
+            f"it is at {line_of('slow')} in slow()") in verdict
+    assert "the job goes on" in job.logs[0]
+    assert job.logs[0].count("Verdict:") == 1  # the picture did not change: one report
+
+
+def test_rank_killed_inside_a_collective_is_named(tmp_path):
+    job = run_job("killed", 3, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE, HANG_EXIT_CODE, -signal.SIGKILL], job.log()
+    for text in job.logs[:2]:
+        verdict = _verdict(text)
+        assert "rank 2 (pid" in verdict and "has died without a word" in verdict
+        assert line_of("killed") in verdict
+    assert job.seconds < PROMPT
+
+
+def test_rank_stuck_in_a_python_loop_is_named_and_not_killed(tmp_path):
+    job = run_job("spin", 2, tmp_path, stall_timeout=STALL, deadline=PROMPT + 5, stop_when=_reported)
+    assert job.codes == [None, None], job.log()  # still running when the reports were in
+    for text in job.logs:
+        verdict = _verdict(text)
+        assert (f"rank 1 has not reached all_reduce #2 ({line_of('spin-wait')} in spin()) that rank 0 "
+                "waits in; it is at ") in verdict
+        assert f"at {line_of('spin')} in spin()" in verdict or f"at {line_of('spin-body')} in spin()" in verdict
+    assert job.seconds < PROMPT
+
+
+def test_desync_inside_a_subgroup(tmp_path):
+    job = run_job("subgroup", 4, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 4, job.log()
+    verdict = _verdict(job.logs[0])
+    assert (f"the ranks disagree at #1 of group [2, 3]: rank 2 all_reduce #1 float32[3] at {line_of('sub-2')}"
+            in verdict)
+    assert f"rank 3 broadcast #1 float32[3] from rank 2 at {line_of('sub-3')}" in verdict
+    assert f"rank 2 has not reached barrier #1 ({line_of('sub-barrier')}" in verdict
+    assert job.seconds < PROMPT + 3  # four ranks start on two cores
+
+
+def test_desync_inside_ddp_backward(tmp_path):
+    job = run_job("ddp_skips_backward", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
+    verdict = _verdict(job.logs[1])
+    assert f"at {line_of('ddp-backward')} in ddp_skips_backward() (issued by DDP)" in verdict
+    assert f"rank 1 barrier #7 at {line_of('ddp-barrier')}" in verdict
+    assert job.seconds < PROMPT
+
+
+def test_off_with_zero(tmp_path):
+    end = time.monotonic() + STALL + 4  # proving an absence takes a while: well past a stall
+    job = run_job("spin", 2, tmp_path, stall_timeout=0, stop_when=lambda logs: time.monotonic() > end)
+    assert job.codes == [None, None], job.log()
+    assert not any("hang report" in text for text in job.logs), job.log()
