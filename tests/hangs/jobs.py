@@ -54,8 +54,9 @@ def _rank_main(name: str, rank: int, world_size: int, port: int, out: str, env: 
     os.chdir(_HERE)  # reports name files relative to the working directory, as in a real job
     code = 0
     try:
-        import ddpkit
         import scenarios
+
+        import ddpkit
 
         ddpkit.init(backend="gloo", timeout=deadline)
         getattr(scenarios, name)(rank)

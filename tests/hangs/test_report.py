@@ -1,0 +1,68 @@
+"""The report as a pure function of the ranks' states: wording, grouping and verdicts, in one process."""
+from __future__ import annotations
+
+from ddpkit.runtime.hangs.report import build_report, rank_list
+
+
+def _item(seq, op="all_reduce", what="float32[10]", site="train.py:88 in step()", age=61.0, error=None):
+    return {"seq": seq, "op": op, "what": what, "site": site, "ddp": False, "age": age, "error": error,
+            "outstanding": True}
+
+
+def _state(rank, waiting=(), where="train.py:90 in step()", recent=(), ranks=16):
+    group = {"name": "0", "ranks": list(range(ranks)), "default": True, "seq": 0, "done": 0,
+             "waiting": list(waiting), "recent": list(recent)}
+    return {"rank": rank, "pid": 100 + rank, "host": "h", "where": where, "top": None, "groups": [group]}
+
+
+def _report(answers, missing=None):
+    return build_report(answers, missing or {}, stall_timeout=60, answer_seconds=5, seen_by=0, exit_code=86)
+
+
+def test_rank_lists_are_ranges():
+    assert rank_list([3]) == "rank 3"
+    assert rank_list([0, 2]) == "ranks 0, 2"
+    assert rank_list([*range(7), *range(8, 16)]) == "ranks 0-6, 8-15"
+    assert rank_list([0, 1, 5]) == "ranks 0, 1, 5"
+
+
+def test_one_rank_elsewhere_in_a_large_job_is_one_line_and_slow():
+    answers = {r: _state(r, [_item(457)]) for r in range(16) if r != 7}
+    answers[7] = _state(7, where="eval.py:41 in evaluate()")
+    report = _report(answers)
+    assert ("  ranks 0-6, 8-15: waits in all_reduce #457 float32[10] at train.py:88 in step() "
+            "[the default group], for 61.0 s") in report["text"]
+    assert "  rank 7: in no collective; at eval.py:41 in evaluate()" in report["text"]
+    assert ("rank 7 has not reached all_reduce #457 (train.py:88 in step()) that ranks 0-6, 8-15 wait in; "
+            "it is at eval.py:41 in evaluate().") in report["text"]
+    assert not report["certain"]
+
+
+def test_disagreement_is_certain():
+    answers = {0: _state(0, [_item(12, site="train.py:50 in f()")], ranks=2),
+               1: _state(1, [_item(12, op="broadcast", what="int64[3] from rank 0", site="train.py:77 in g()")],
+                         ranks=2)}
+    report = _report(answers)
+    assert ("the ranks disagree at #12: rank 0 all_reduce #12 float32[10] at train.py:50 in f(), rank 1 "
+            "broadcast #12 int64[3] from rank 0 at train.py:77 in g().") in report["text"]
+    assert report["certain"] and "exit code 86" in report["text"]
+
+
+def test_a_rank_that_does_not_answer_is_certain():
+    answers = {r: _state(r, [_item(5)], ranks=3) for r in (0, 1)}
+    report = _report(answers, {2: {"pid": 4242, "host": "other", "final": None, "exited": None}})
+    assert ("rank 2 (pid 4242 on other) did not answer within 5 s: its process may have died or be stuck "
+            "outside Python; ranks 0, 1 wait in all_reduce #5 (train.py:88 in step()).") in report["text"]
+    assert report["certain"]
+
+
+def test_ranks_that_agree_are_not_a_deadlock():
+    report = _report({r: _state(r, [_item(5)], ranks=2) for r in (0, 1)})
+    assert "all wait in all_reduce #5" in report["text"] and "and agree" in report["text"]
+    assert not report["certain"]
+
+
+def test_the_picture_ignores_ages():
+    first = _report({0: _state(0, [_item(5, age=61)], ranks=2), 1: _state(1, ranks=2)})
+    later = _report({0: _state(0, [_item(5, age=122)], ranks=2), 1: _state(1, ranks=2)})
+    assert first["picture"] == later["picture"] and first["text"] != later["text"]
