@@ -18,6 +18,7 @@ from ddpkit.checkpoint import load_state_dict
 from ddpkit.ddp.errors import second_gradient_error, static_graph_changed_error, unused_gradient_error
 from ddpkit.errors import (
     CheckpointSaveError,
+    CollectiveMismatchError,
     CommHookError,
     LauncherVariableError,
     NotInitializedError,
@@ -37,6 +38,7 @@ BASES = {
     CommHookError: (TypeError, RuntimeError), NotInitializedError: (RuntimeError,),
     LauncherVariableError: (ValueError,), RendezvousError: (RuntimeError,),
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),
+    CollectiveMismatchError: (RuntimeError,),
 }
 
 
