@@ -99,13 +99,19 @@ class Recorder:
         self.failed: Callable[[Record, BaseException], None] | None = None
         self._inside = threading.local()
         self._originals: dict[str, Callable] = {}
+        self._wrappers: dict[str, Callable] = {}
 
     # ---- installing -------------------------------------------------------------------------------
     def install(self) -> None:
+        """Wrap the collectives (again after ``uninstall()``, reusing the wrappers: a few setattrs)."""
         for op, (tensor_arg, root_arg) in COLLECTIVES.items():
             original = getattr(c10d, op)
+            if getattr(original, "__ddpkit_recorder__", None) is self:
+                continue
             self._originals[op] = original
-            wrapper = self._wrap(op, original, tensor_arg, root_arg)
+            wrapper = self._wrappers.get(op)
+            if wrapper is None or wrapper.__wrapped__ is not original:
+                wrapper = self._wrappers[op] = self._wrap(op, original, tensor_arg, root_arg)
             setattr(c10d, op, wrapper)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapper)
@@ -116,7 +122,6 @@ class Recorder:
                 if getattr(getattr(module, op, None), "__ddpkit_recorder__", None) is self:
                     setattr(module, op, original)
         self._originals.clear()
-        self.logs.clear()
 
     def _wrap(self, op: str, fn: Callable, tensor_arg: str | None, root_arg: str | None) -> Callable:
         names = list(inspect.signature(fn).parameters)
