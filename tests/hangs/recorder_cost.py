@@ -1,26 +1,57 @@
 """What the collective recorder (and strict mode) cost per DDP step, side by side in one run.
 
-    PYTHONPATH=. python3 tests/hangs/recorder_cost.py            # bench's models, 2 ranks, ~1 minute
+    PYTHONPATH=. python3 tests/hangs/recorder_cost.py            # bench's models, 2 ranks, a few minutes
     PYTHONPATH=. python3 tests/hangs/recorder_cost.py --quick
 
-Three steppers of ddpkit's DDP on ``ddpkit bench``'s models, timed in interleaved rounds by the bench's
-own ``time_interleaved``: the recorder off (unwrapped), on (the default), and strict mode. Each stepper
-first puts the recorder in its own state (a few setattrs), so the toggling costs all three alike.
+Two measures, because a shared 2-core machine moves step times by several percent from one round to
+the next. (1) ddpkit's DDP on ``ddpkit bench``'s models, recorder off vs on (and off vs strict), timed in
+interleaved rounds by the bench's own ``time_interleaved``; the figure is the median of the per-round
+ratios, each stepper first putting the recorder in its own state (a few setattrs). (2) The recorder's
+own work per collective, timed around a collective that does nothing, times the collectives a step
+makes, over the step time: the cost with the noise taken out.
 """
 from __future__ import annotations
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the ranks helper
 
 import torch  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+from torch.distributed import distributed_c10d as c10d  # noqa: E402
 
 from ddpkit.bench.ddp_step import make_stepper, time_interleaved  # noqa: E402
 from ddpkit.runtime import process_group  # noqa: E402
+from ddpkit.runtime.hangs.recorder import Recorder  # noqa: E402
 from ddpkit.runtime.hangs.strict import StrictCheck  # noqa: E402
+
+
+def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(tb / ta for ta, tb in zip(times[a], times[b])) - 1
+
+
+def _per_call_seconds(calls: int = 20000) -> float:
+    """The wrapper's own time per call: around an all_reduce that does nothing."""
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    real, c10d.all_reduce = c10d.all_reduce, all_reduce
+    recorder = Recorder()
+    try:
+        wrapped = recorder._wrap("all_reduce", all_reduce, "tensor", None)
+        t = torch.ones(4)
+        best = {}
+        for name, fn in (("bare", all_reduce), ("wrapped", wrapped)) * 3:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(t)
+            best[name] = min(best.get(name, 1.0), (time.perf_counter() - start) / calls)
+    finally:
+        c10d.all_reduce = real
+    return best["wrapped"] - best["bare"]
 
 
 def _measure(model_name: str, quick: bool, repeats: int, steps: int) -> dict[str, float]:
@@ -43,22 +74,29 @@ def _measure(model_name: str, quick: bool, repeats: int, steps: int) -> dict[str
         recorder.before = strict
         step()
 
-    times = time_interleaved({"off": off, "on": on, "strict": checked}, repeats, steps, warmup=2,
-                             device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    plain = time_interleaved({"off": off, "on": on}, repeats, steps, warmup=2, device=cpu)
+    strict_times = time_interleaved({"off": off, "strict": checked}, max(3, repeats // 3), steps, warmup=1,
+                                    device=cpu)
     recorder.install()
     recorder.before = None
-    return {name: statistics.median(t) for name, t in times.items()}
+    before = sum(log.seq for log in recorder.groups())
+    step()
+    per_step = sum(log.seq for log in recorder.groups()) - before
+    return {"off": statistics.median(plain["off"]), "on": _paired(plain, "off", "on"),
+            "strict": _paired(strict_times, "off", "strict"), "collectives": per_step,
+            "per_call": _per_call_seconds()}
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    repeats, steps = (5, 2) if quick else (30, 3)
+    repeats, steps = (6, 2) if quick else (60, 3)
     for model in ("large", "small"):
-        result = run_ranks(_measure, 2, args=(model, quick, repeats, steps), timeout=600)[0]
-        off = result["off"]
-        print(f"{model:6s} median step: recorder off {off * 1e3:8.2f} ms | on {result['on'] * 1e3:8.2f} ms "
-              f"({(result['on'] / off - 1) * 100:+5.1f}%) | strict {result['strict'] * 1e3:8.2f} ms "
-              f"({(result['strict'] / off - 1) * 100:+5.1f}%)")
+        r = run_ranks(_measure, 2, args=(model, quick, repeats, steps), timeout=900)[0]
+        direct = r["per_call"] * r["collectives"] / r["off"]
+        print(f"{model:6s} step {r['off'] * 1e3:7.2f} ms, {r['collectives']} collectives/step | side by side: "
+              f"recorder on {r['on'] * 100:+.1f}%, strict {r['strict'] * 100:+.1f}% | recorder's own work "
+              f"{r['per_call'] * 1e6:.1f} us/collective = {direct * 100:.3f}% of the step")
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ class Watchdog(threading.Thread):
     def _show(self, report: dict[str, Any]) -> None:
         if report["picture"] != self._last_picture or report["certain"]:
             self._last_picture = report["picture"]
-            sys.stderr.write(f"[rank {self.rank}] " + report["text"].replace("\n", f"\n[rank {self.rank}] ") + "\n")
+            # ddpkit run prefixes each line with its rank already; other launchers mix the ranks' lines
+            prefix = "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {self.rank}] "
+            sys.stderr.write(prefix + report["text"].replace("\n", "\n" + prefix) + "\n")
             sys.stderr.flush()
         if report["certain"]:
             sys.stdout.flush()
