@@ -10,6 +10,7 @@ import signal
 import socket
 
 from ddpkit.launch.workers import Worker
+from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
 
 __all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
 
@@ -33,6 +34,8 @@ def describe_exit(returncode: int) -> str:
     ``returncode`` is Popen's: negative when a signal ended the process. A process that exits with
     code 137 by itself (a shell whose child was killed, ``sys.exit(137)``) was not killed by a signal.
     """
+    if returncode == HANG_EXIT_CODE:
+        return f"exit code {returncode}: ddpkit found a certain deadlock (its hang report is below)"
     if returncode >= 0:
         return f"exit code {returncode}"
     try:

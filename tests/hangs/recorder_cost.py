@@ -75,7 +75,8 @@ def _measure(model_name: str, quick: bool, repeats: int, steps: int) -> dict[str
         step()
 
     cpu = torch.device("cpu")
-    plain = time_interleaved({"off": off, "on": on}, repeats, steps, warmup=2, device=cpu)
+    plain_cpu: dict[str, list[float]] = {}
+    plain = time_interleaved({"off": off, "on": on}, repeats, steps, warmup=2, device=cpu, cpu_out=plain_cpu)
     strict_times = time_interleaved({"off": off, "strict": checked}, max(3, repeats // 3), steps, warmup=1,
                                     device=cpu)
     recorder.install()
@@ -84,6 +85,7 @@ def _measure(model_name: str, quick: bool, repeats: int, steps: int) -> dict[str
     step()
     per_step = sum(log.seq for log in recorder.groups()) - before
     return {"off": statistics.median(plain["off"]), "on": _paired(plain, "off", "on"),
+            "on_cpu": _paired(plain_cpu, "off", "on"),
             "strict": _paired(strict_times, "off", "strict"), "collectives": per_step,
             "per_call": _per_call_seconds()}
 
@@ -95,8 +97,9 @@ def main() -> None:
         r = run_ranks(_measure, 2, args=(model, quick, repeats, steps), timeout=900)[0]
         direct = r["per_call"] * r["collectives"] / r["off"]
         print(f"{model:6s} step {r['off'] * 1e3:7.2f} ms, {r['collectives']} collectives/step | side by side: "
-              f"recorder on {r['on'] * 100:+.1f}%, strict {r['strict'] * 100:+.1f}% | recorder's own work "
-              f"{r['per_call'] * 1e6:.1f} us/collective = {direct * 100:.3f}% of the step")
+              f"recorder on {r['on'] * 100:+.1f}% (CPU time {r['on_cpu'] * 100:+.1f}%), "
+              f"strict {r['strict'] * 100:+.1f}% | recorder's own work {r['per_call'] * 1e6:.1f} us/collective "
+              f"= {direct * 100:.3f}% of the step")
 
 
 if __name__ == "__main__":

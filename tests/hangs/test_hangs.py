@@ -6,8 +6,12 @@ slow rank must not.
 """
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from jobs import line_of, run_job
@@ -129,3 +133,16 @@ def test_off_with_zero(tmp_path):
     job = run_job("spin", 2, tmp_path, stall_timeout=0, stop_when=lambda logs: time.monotonic() > end)
     assert job.codes == [None, None], job.log()
     assert not any("hang report" in text for text in job.logs), job.log()
+
+
+def test_ddpkit_run_summary_carries_the_report(tmp_path):
+    demo = Path(__file__).resolve().parents[2] / "examples" / "hang_demo.py"
+    line = next(n for n, text in enumerate(demo.read_text().splitlines(), 1) if "the bug" in text)
+    env = {**os.environ, "DDPKIT_STALL_TIMEOUT": str(STALL)}
+    done = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(demo)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == HANG_EXIT_CODE, done.stderr
+    summary = done.stderr[done.stderr.index("ddpkit run: the job failed"):]
+    assert f"exit code {HANG_EXIT_CODE}: ddpkit found a certain deadlock" in summary
+    assert f"hang_demo.py:{line} in <module>" in summary and "(issued by DDP)" in summary
+    assert "the ranks disagree at #" in summary

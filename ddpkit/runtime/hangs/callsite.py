@@ -84,4 +84,4 @@ def format_site(site: Site | None) -> str:
             filename = relative
     except ValueError:  # another drive on Windows
         pass
-    return f"{filename}:{lineno} in {function}()"
+    return f"{filename}:{lineno} in {function}" + ("" if function.startswith("<") else "()")

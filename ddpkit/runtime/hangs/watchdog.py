@@ -54,7 +54,7 @@ class Watchdog(threading.Thread):
         self._answered = 0
         self._last_inquiry = -float("inf")
         self._last_picture: str | None = None
-        self._store_failed = False
+        self._warned = False
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -74,8 +74,10 @@ class Watchdog(threading.Thread):
         while not self._stop_event.wait(0 if self._wanted.is_set() else self.poll):
             try:
                 self._tick()
-            except Exception as e:  # noqa: BLE001 - the store is gone: the job is over or ending
+            except (RuntimeError, OSError) as e:  # the store's errors: the job is over or ending
                 self._store_lost(e)
+            except Exception as e:  # noqa: BLE001 - a report that cannot be built must not end the job
+                self._warn_once(f"the hang watchdog failed ({type(e).__name__}: {e}); no hang report")
             finally:
                 if self._wanted.is_set() and not self._stop_event.is_set():
                     self._wanted.clear()
@@ -123,16 +125,20 @@ class Watchdog(threading.Thread):
             os._exit(HANG_EXIT_CODE)
 
     def _store_lost(self, error: Exception) -> None:
-        """Without the store there is no inquiry; when stalled too, say what this rank knows and end."""
-        if not self._store_failed:
-            self._store_failed = True
-            sys.stderr.write(f"[rank {self.rank}] ddpkit: the hang watchdog cannot reach the rendezvous "
-                             f"store ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                             "the launcher or the rank hosting it may have exited.\n")
-        if self._wanted.is_set() or self._stalled():
-            oldest = self.recorder.oldest_outstanding()
-            where = "a collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
-            sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where} and cannot ask the "
-                             f"others; a certain deadlock: ending with exit code {HANG_EXIT_CODE}.\n")
-            sys.stderr.flush()
-            os._exit(HANG_EXIT_CODE)
+        """Without the store there is no inquiry: at the end of a job, when the rank that hosts it has
+        exited, that is normal; but a rank that is stalled too says what it knows and ends."""
+        if not (self._wanted.is_set() or self._stalled()):
+            return
+        oldest = self.recorder.oldest_outstanding()
+        where = "a collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
+        first = str(error).splitlines()[0] if str(error) else ""
+        sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where}, and the rendezvous store "
+                         f"is unreachable ({type(error).__name__}: {first}): the launcher or the rank hosting "
+                         f"the store has exited. A certain deadlock: ending with exit code {HANG_EXIT_CODE}.\n")
+        sys.stderr.flush()
+        os._exit(HANG_EXIT_CODE)
+
+    def _warn_once(self, text: str) -> None:
+        if not self._warned:
+            self._warned = True
+            sys.stderr.write(f"[rank {self.rank}] ddpkit: {text}\n")
