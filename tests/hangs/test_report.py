@@ -5,7 +5,7 @@ from ddpkit.runtime.hangs.report import build_report, rank_list
 
 
 def _item(seq, op="all_reduce", what="float32[10]", site="train.py:88 in step()", age=61.0, error=None):
-    return {"seq": seq, "op": op, "what": what, "site": site, "ddp": False, "age": age, "error": error,
+    return {"seq": seq, "op": op, "what": what, "site": site, "via": None, "age": age, "error": error,
             "outstanding": True}
 
 

@@ -39,18 +39,22 @@ def _is_internal(code: CodeType) -> bool:
     return known
 
 
-def call_site(depth: int = 2) -> tuple[Site | None, bool]:
-    """The caller's user frame as a ``Site``, and whether ddpkit's DDP issued the call on the way."""
+def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
+    """The caller's user frame as a ``Site``, and which of ddpkit's functions the user called on the
+    way: ``"DDP"`` when ddpkit's DDP issued it (in backward), else e.g. ``"save"``, or None."""
     frame: FrameType | None = sys._getframe(depth)
-    ddp = False
+    via = None
     while frame is not None:
         code = frame.f_code
         if not _is_internal(code):
-            return (code.co_filename, frame.f_lineno, code.co_name), ddp
-        if not ddp and code.co_filename.startswith(_DDP):
-            ddp = True
+            return (code.co_filename, frame.f_lineno, code.co_name), via
+        if via != "DDP":
+            if code.co_filename.startswith(_DDP):
+                via = "DDP"
+            elif code.co_filename.startswith(_OURS[0]):
+                via = code.co_name
         frame = frame.f_back
-    return None, ddp
+    return None, via
 
 
 def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:

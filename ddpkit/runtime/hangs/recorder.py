@@ -45,10 +45,10 @@ def _short_error(error: BaseException) -> str:
 class Record:
     """One collective on one rank: what, where, when; ``end`` stays None while it is outstanding."""
 
-    __slots__ = ("seq", "op", "tensor", "root", "site", "ddp", "start", "end", "work", "error")
+    __slots__ = ("seq", "op", "tensor", "root", "site", "via", "start", "end", "work", "error")
 
-    def __init__(self, seq: int, op: str, tensor: Any, root: Any, site: Site | None, ddp: bool) -> None:
-        self.seq, self.op, self.root, self.site, self.ddp = seq, op, root, site, ddp
+    def __init__(self, seq: int, op: str, tensor: Any, root: Any, site: Site | None, via: str | None) -> None:
+        self.seq, self.op, self.root, self.site, self.via = seq, op, root, site, via
         # dtype and shape only: holding the tensor would keep its memory alive in the ring
         if isinstance(tensor, (list, tuple)):
             self.tensor = (len(tensor), tensor[0].dtype, tuple(tensor[0].shape)) if tensor else (0, None, ())
@@ -69,7 +69,7 @@ class Record:
 
     def describe(self, now: float) -> dict[str, Any]:
         return {"seq": self.seq, "op": self.op, "what": self.what(), "site": format_site(self.site),
-                "ddp": self.ddp, "age": round(now - self.start, 1), "error": self.error,
+                "via": self.via, "age": round(now - self.start, 1), "error": self.error,
                 "outstanding": self.end is None}
 
 
@@ -145,8 +145,8 @@ class Recorder:
                       if tensor_at is not None and len(args) > tensor_at else None)
             root = (kwargs.get(root_arg) if root_arg in kwargs else args[root_at]
                     if root_at is not None and len(args) > root_at else None)
-            site, ddp = call_site()
-            record = Record(log.seq, op, tensor, root, site, ddp)
+            site, via = call_site()
+            record = Record(log.seq, op, tensor, root, site, via)
             log.ring.append(record)
             if self.before is not None:
                 try:

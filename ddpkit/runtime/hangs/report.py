@@ -39,8 +39,10 @@ def _op(item: dict[str, Any]) -> str:
 def _call(item: dict[str, Any]) -> str:
     """``all_reduce #5 float32[10] at train.py:8 in step()`` (and DDP's, and a failure)."""
     text = f"{_op(item)} {item['what']}".rstrip() + f" at {item['site']}"
-    if item.get("ddp"):
+    if item.get("via") == "DDP":
         text += " (issued by DDP)"
+    elif item.get("via"):
+        text += f" (in ddpkit's {item['via']}())"
     if item.get("error"):
         text += f", which failed: {item['error']}"
     return text
