@@ -118,3 +118,14 @@ def strict_agree(rank: int) -> None:
         t = torch.ones(5)
         dist.all_reduce(t)
         assert t.tolist() == [2.0] * 5
+
+
+def ddp_peer_exits(rank: int) -> None:
+    """Rank 1 leaves abruptly (os._exit) before a backward; rank 0's gradient all-reduce fails in
+    DDP's Work.wait(), past the recorder's wrapper."""
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+    for step in range(3):
+        loss = model(torch.ones(8, 4)).sum()
+        if rank == 1 and step == 1:
+            os._exit(3)  # <- peer-exits
+        loss.backward()  # <- peer-exits-backward

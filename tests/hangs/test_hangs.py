@@ -47,7 +47,7 @@ def test_extra_collective_names_the_rank_that_left_and_where_the_ranks_went_apar
     assert job.codes == [HANG_EXIT_CODE, 0], job.log()
     verdict = _verdict(job.logs[0])
     assert f"rank 1 has left the job: it called ddpkit.shutdown() at {line_of('extra-leaves')}" in verdict
-    assert f"rank 0 waits in all_reduce #3 ({line_of('extra-next')}" in verdict
+    assert f"rank 0 was in all_reduce #3 ({line_of('extra-next')}" in verdict
     assert (f"#2: rank 0 all_reduce float32[4] at {line_of('extra')} in extra(); "
             f"rank 1 all_reduce float32[4] at {line_of('extra-next')}") in verdict
     assert job.seconds < PROMPT
@@ -146,3 +146,13 @@ def test_ddpkit_run_summary_carries_the_report(tmp_path):
     assert f"exit code {HANG_EXIT_CODE}: ddpkit found a certain deadlock" in summary
     assert f"hang_demo.py:{line} in <module>" in summary and "(issued by DDP)" in summary
     assert "the ranks disagree at #" in summary
+
+
+def test_a_peer_that_exits_during_ddp_training_is_named_on_the_survivor(tmp_path):
+    # the failure surfaces in DDP's Work.wait(), past the recorder's wrapper: the inquiry runs at exit
+    job = run_job("ddp_peer_exits", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE, 3], job.log()
+    verdict = _verdict(job.logs[0])
+    assert "rank 1 (pid" in verdict and "has died without a word" in verdict
+    assert f"rank 0 was in all_reduce #6 ({line_of('peer-exits-backward')}" in verdict
+    assert "which failed: RuntimeError: Connection closed by peer" in job.logs[0]

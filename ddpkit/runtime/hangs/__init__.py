@@ -41,6 +41,7 @@ class HangWatch:
         if settings.check_collectives:
             self.recorder.before = StrictCheck(main_store, rank)
         self.recorder.failed = self._collective_failed
+        self._asked = False  # a failed collective's inquiry has run already
 
     def begin(self) -> None:
         self.inquiry.introduce()
@@ -66,6 +67,13 @@ class HangWatch:
         if error is None:
             self.end("exit")
         else:
+            # an async collective (DDP's) that failed because a peer went away raised in Work.wait(),
+            # past the recorder: ask the others now, before the process ends with Gloo's words only
+            if self._collective_failed(None, error) and not self._asked:
+                self.recorder.blame_async(error)
+                self.watchdog.where = (f"exiting after an uncaught {type(error).__name__} at "
+                                       f"{format_site(traceback_site(error.__traceback__))}")
+                self.watchdog.inquire_now(3 * ANSWER_SECONDS)
             self.end("exception", format_site(traceback_site(error.__traceback__)),
                      f"{type(error).__name__}: {error}"[:300])
 
@@ -76,12 +84,15 @@ class HangWatch:
                 last = log.ring[-1]
         return "none" if last is None else f"{last.op} #{last.seq} at {format_site(last.site)}"
 
-    def _collective_failed(self, record: Record, error: BaseException) -> None:
-        """A collective raised: if a peer went away, ask everyone at once instead of showing Gloo's words."""
+    def _collective_failed(self, record: Record | None, error: BaseException) -> bool:
+        """A collective raised: if a peer went away, ask everyone at once instead of showing Gloo's
+        words (with ``record`` None, only say whether it would)."""
         gone = isinstance(error, getattr(dist, "DistBackendError", ())) or (
             isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE))
-        if gone and self.watchdog is not None:
+        if gone and self.watchdog is not None and record is not None:
+            self._asked = True
             self.watchdog.inquire_now(3 * ANSWER_SECONDS)
+        return gone and self.watchdog is not None
 
 
 def start(rank: int, world_size: int, store: dist.Store | None, settings: HangSettings) -> HangWatch | None:

@@ -203,8 +203,16 @@ class Recorder:
         for log in self.groups():
             for record in list(log.ring):
                 work = record.work
-                if work is not None and record.end is None and work.is_completed():
-                    record.end, record.work = now, None
+                if work and record.end is None and work.is_completed():
+                    record.end, record.work = now, False  # False: it was async, and has completed
+
+    def blame_async(self, error: BaseException) -> None:
+        """An async collective's failure surfaced in ``Work.wait()``, past the wrapper: pin it on the
+        latest async collective, which completed (with that error) as far as the ring knows."""
+        self.poll_works()
+        done = [r for log in self.groups() for r in list(log.ring) if r.work is False and r.error is None]
+        if done:
+            max(done, key=lambda r: r.start).error = _short_error(error)
 
     def oldest_outstanding(self) -> Record | None:
         oldest = None

@@ -139,7 +139,8 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
         waiting = [r for r in answers if _first_waiting(answers[r])]
         if waiting:
             item = _first_waiting(answers[min(waiting)])[0]
-            verb = "waits" if len(waiting) == 1 else "wait"
+            one = len(waiting) == 1
+            verb = ("was" if one else "were") if item.get("error") else ("waits" if one else "wait")
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
         sentences.append(sentence + ".")
         certain = True

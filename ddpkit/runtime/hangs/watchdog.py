@@ -28,15 +28,15 @@ ANSWER_SECONDS = 5.0
 """How long the reporting rank waits for the others' answers; a rank that exited says so at once."""
 
 
-def snapshot(recorder: Recorder, rank: int, main_thread: int | None) -> dict[str, Any]:
+def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str | None = None) -> dict[str, Any]:
     """This rank's state as published: its groups' outstanding and recent collectives, and where
-    its main thread is (what matters when it waits in no collective)."""
+    its main thread is (what matters when it waits in no collective), unless ``where`` says."""
     recorder.poll_works()
     now = time.monotonic()
-    frame = sys._current_frames().get(main_thread) if main_thread is not None else None
+    frame = sys._current_frames().get(main_thread) if main_thread is not None and where is None else None
     user, top = thread_site(frame)
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-            "where": format_site(user) if user else None, "top": format_site(top) if top else None,
+            "where": where or (format_site(user) if user else None), "top": format_site(top) if top else None,
             "groups": [log.snapshot(now) for log in recorder.groups()]}
 
 
@@ -55,6 +55,7 @@ class Watchdog(threading.Thread):
         self._last_inquiry = -float("inf")
         self._last_picture: str | None = None
         self._warned = False
+        self.where: str | None = None  # what the main thread is doing, when a frame would not say
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -99,7 +100,7 @@ class Watchdog(threading.Thread):
 
     def _take_part(self, n: int) -> None:
         self._answered, self._last_inquiry = n, time.monotonic()
-        leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread))
+        leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread, self.where))
         report = None if leads else self.inquiry.wait_report(n, ANSWER_SECONDS + 3)
         if report is None:
             answers, missing = self.inquiry.collect(n, ANSWER_SECONDS)
