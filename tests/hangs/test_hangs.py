@@ -72,7 +72,7 @@ def test_different_shapes_name_the_rank_gloo_crashed_and_the_survivors_call(tmp_
     assert job.codes[survivor] == HANG_EXIT_CODE, job.log()
     verdict = _verdict(job.logs[survivor])
     assert f"rank {crashed} (pid" in verdict and "has died without a word" in verdict
-    assert f"rank {survivor} waits in all_reduce #1 ({line_of('shapes')}" in verdict
+    assert f"rank {survivor} was in all_reduce #1 ({line_of('shapes')}" in verdict
     assert "float32[20]" in job.logs[survivor] or "float32[10]" in job.logs[survivor]
     assert job.seconds < PROMPT
 
