@@ -22,7 +22,8 @@ from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, r
 from ddpkit.runtime.hangs.strict import StrictCheck
 from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, HANG_EXIT_CODE, Watchdog
 
-__all__ = ["HangWatch", "start", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings", "read_settings"]
+__all__ = ["HangWatch", "start", "where_called", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings",
+           "read_settings"]
 
 # Phrases of a collective that failed because a peer went away (Gloo's; NCCL's come as DistBackendError)
 _PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Read error", "Write error", "Timed out")
@@ -100,9 +101,13 @@ def start(rank: int, world_size: int, store: dist.Store | None, settings: HangSe
     (a world of one, both features off, or no store to talk through)."""
     if world_size < 2 or not settings.recording:
         return None
-    if store is None:
-        store = dist.distributed_c10d._get_default_store()
-    main_store, watch_store = _stores(store, rank)
+    try:
+        if store is None:  # a group the user made before init(): its own store
+            store = dist.distributed_c10d._get_default_store()
+        main_store, watch_store = _stores(store, rank)
+    except (RuntimeError, ValueError, AttributeError) as e:
+        sys.stderr.write(f"[rank {rank}] ddpkit: no store to report hangs through ({e}); hang reports are off.\n")
+        return None
     watch = HangWatch(rank, world_size, settings, watch_store, main_store)
     watch.begin()
     return watch
