@@ -7,6 +7,7 @@ slow rank must not.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,4 +156,4 @@ def test_a_peer_that_exits_during_ddp_training_is_named_on_the_survivor(tmp_path
     verdict = _verdict(job.logs[0])
     assert "rank 1 (pid" in verdict and "has died without a word" in verdict
     assert f"rank 0 was in all_reduce #6 ({line_of('peer-exits-backward')}" in verdict
-    assert "which failed: RuntimeError: Connection closed by peer" in job.logs[0]
+    assert re.search(r"which failed: RuntimeError: .*Connection (closed|reset) by peer", job.logs[0])

@@ -95,9 +95,9 @@ class Inquiry:
         self.store.add(f"read/{n}", 1)
 
     def wait_read(self, n: int, readers: int, seconds: float) -> None:
-        """Until ``readers - 1`` other ranks have read report ``n``, or ``seconds`` passed."""
+        """Until ``readers`` ranks have read report ``n``, or ``seconds`` passed."""
         deadline = time.monotonic() + seconds
-        while self.store.add(f"read/{n}", 0) < readers - 1 and time.monotonic() < deadline:
+        while self.store.add(f"read/{n}", 0) < readers and time.monotonic() < deadline:
             time.sleep(_POLL)  # the others fetch it on their next poll
 
     def last_word(self, word: dict[str, Any]) -> None:

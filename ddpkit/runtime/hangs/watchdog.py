@@ -106,15 +106,14 @@ class Watchdog(threading.Thread):
             answers, missing = self.inquiry.collect(n, ANSWER_SECONDS)
             report = build_report(answers, missing, stall_timeout=self.stall_timeout,
                                   answer_seconds=ANSWER_SECONDS, seen_by=self.rank, exit_code=HANG_EXIT_CODE)
+            report["readers"] = len(answers) - 1
             if leads:
                 self.inquiry.publish_report(n, report)
-                if report["certain"]:  # let the others read it before this rank's exit closes connections
-                    self.inquiry.wait_read(n, len(answers), ANSWER_SECONDS)
-        else:
+        if not leads:
             self.inquiry.mark_read(n)
-        self._show(report)
+        self._show(n, report)
 
-    def _show(self, report: dict[str, Any]) -> None:
+    def _show(self, n: int, report: dict[str, Any]) -> None:
         if report["picture"] != self._last_picture or report["certain"]:
             self._last_picture = report["picture"]
             # ddpkit run prefixes each line with its rank already; other launchers mix the ranks' lines
@@ -123,6 +122,9 @@ class Watchdog(threading.Thread):
             sys.stderr.flush()
         if report["certain"]:
             sys.stdout.flush()
+            # every rank, not only the one that wrote the report: the rank that hosts the store (rank 0
+            # under SLURM or MPI) must not take it away before the others have read
+            self.inquiry.wait_read(n, report.get("readers", 0), ANSWER_SECONDS)
             os._exit(HANG_EXIT_CODE)
 
     def _store_lost(self, error: Exception) -> None:
