@@ -44,12 +44,12 @@ def line_of(marker: str) -> str:
 
 
 def _rank_main(name: str, rank: int, world_size: int, port: int, out: str, env: dict[str, str],
-               deadline: float) -> None:
+               deadline: float, agent_store: bool) -> None:
     log = os.open(os.path.join(out, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
     faulthandler.dump_traceback_later(deadline, exit=True)
-    os.environ.update(rank_env(rank, world_size, port))
+    os.environ.update(rank_env(rank, world_size, port, agent_store))
     os.environ.update(env)
     os.chdir(_HERE)  # reports name files relative to the working directory, as in a real job
     code = 0
@@ -71,13 +71,19 @@ def _rank_main(name: str, rank: int, world_size: int, port: int, out: str, env: 
 
 
 def run_job(name: str, world_size: int, out: Path, *, stall_timeout: float = 1.5, deadline: float = 30.0,
-            env: dict[str, str] | None = None, stop_when: Callable[[list[str]], bool] | None = None) -> Job:
+            env: dict[str, str] | None = None, stop_when: Callable[[list[str]], bool] | None = None,
+            rank0_hosts_store: bool = False) -> Job:
     """Run scenario ``name``; return when every rank has exited, or ``stop_when(logs)`` holds (the
-    ranks still running are then killed), or at ``deadline`` seconds (killed too)."""
+    ranks still running are then killed), or at ``deadline`` seconds (killed too). The store is
+    hosted here, as torchrun's agent does, or by rank 0, as under SLURM or MPI."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
+    if rank0_hosts_store:
+        del store  # frees the port for rank 0 (a port the OS just gave: no other test takes it meanwhile)
+        store = None
     env = {"DDPKIT_STALL_TIMEOUT": str(stall_timeout), **(env or {})}
     procs = [_CONTEXT.Process(target=_rank_main, name=f"rank{r}",
-                              args=(name, r, world_size, store.port, str(out), env, deadline))
+                              args=(name, r, world_size, port, str(out), env, deadline, not rank0_hosts_store))
              for r in range(world_size)]
     start = time.monotonic()
     codes: list[int | None] = [None] * world_size

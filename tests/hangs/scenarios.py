@@ -129,3 +129,14 @@ def ddp_peer_exits(rank: int) -> None:
         if rank == 1 and step == 1:
             os._exit(3)  # <- peer-exits
         loss.backward()  # <- peer-exits-backward
+
+
+def store_host_killed(rank: int) -> None:
+    """Rank 0, which hosts the store (as under SLURM), is killed inside an all-reduce."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if rank == 1:
+        time.sleep(1.5)  # the late rank: rank 0 dies inside the collective meanwhile
+    dist.all_reduce(t)  # <- host-killed

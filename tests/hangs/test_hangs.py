@@ -157,3 +157,14 @@ def test_a_peer_that_exits_during_ddp_training_is_named_on_the_survivor(tmp_path
     assert "rank 1 (pid" in verdict and "has died without a word" in verdict
     assert f"rank 0 was in all_reduce #6 ({line_of('peer-exits-backward')}" in verdict
     assert re.search(r"which failed: RuntimeError: .*Connection (closed|reset) by peer", job.logs[0])
+
+
+def test_the_rank_that_hosts_the_store_killed(tmp_path):
+    # under SLURM or MPI rank 0 hosts the store: with it gone there is no inquiry, but a rank that
+    # waits says where, and ends with the code
+    job = run_job("store_host_killed", 3, tmp_path, stall_timeout=STALL, rank0_hosts_store=True)
+    assert job.codes == [-signal.SIGKILL, HANG_EXIT_CODE, HANG_EXIT_CODE], job.log()
+    for text in job.logs[1:]:
+        assert f"this rank waits in all_reduce #2 at {line_of('host-killed')}" in text
+        assert "the rendezvous store is unreachable" in text
+    assert job.seconds < PROMPT

@@ -214,6 +214,10 @@ class Recorder:
         if done:
             max(done, key=lambda r: r.start).error = _short_error(error)
 
+    def latest_failed(self) -> Record | None:
+        failed = [r for log in self.groups() for r in list(log.ring) if r.error is not None]
+        return max(failed, key=lambda r: r.start) if failed else None
+
     def oldest_outstanding(self) -> Record | None:
         oldest = None
         for log in self.groups():

@@ -132,7 +132,7 @@ class Watchdog(threading.Thread):
         exited, that is normal; but a rank that is stalled too says what it knows and ends."""
         if not (self._wanted.is_set() or self._stalled()):
             return
-        oldest = self.recorder.oldest_outstanding()
+        oldest = self.recorder.oldest_outstanding() or self.recorder.latest_failed()
         where = "a collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
         first = str(error).splitlines()[0] if str(error) else ""
         sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where}, and the rendezvous store "
