@@ -55,11 +55,17 @@ class SlurmCluster:
     cpus: int
     env: dict[str, str]
 
-    def run(self, *args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-        """Run a SLURM client command (srun, sbatch, ...) against this cluster."""
-        env = {**os.environ, **self.env, **kwargs.pop("env", {})}
+    def run(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None,
+            **kwargs) -> subprocess.CompletedProcess:
+        """Run a SLURM client command (srun, sbatch, ...) against this cluster, in ``env``
+        (default: this process's environment) plus SLURM_CONF."""
+        env = {**(os.environ if env is None else env), **self.env}
         return subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=timeout,
                               **kwargs)
+
+    def command(self, *args: str) -> list[str]:
+        """``args`` as a command line that runs against this cluster when started in any environment."""
+        return ["env", *(f"{k}={v}" for k, v in self.env.items()), *args]
 
     def wait_job(self, job_id: str, timeout: float = 120) -> None:
         """Wait until the job has left the queue (it finished, failed or was cancelled)."""
