@@ -16,13 +16,14 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch.distributed as dist
 
 from ddpkit.errors import RendezvousError, explain
 
 __all__ = ["JobRecord", "OWNER_KEY", "INTRUDER_KEY", "PORT_FIX", "claim", "read_owner", "check_member",
-           "new_intruders"]
+           "new_intruders", "tell_of_intruders"]
 
 OWNER_KEY = "ddpkit/job"
 INTRUDER_KEY = "ddpkit/intruders"
@@ -124,3 +125,13 @@ def new_intruders(store: dist.Store, seen: int) -> tuple[int, list[JobRecord]]:
         records.append(JobRecord.from_json(store.get(key)))
         seen = number
     return seen, records
+
+
+def tell_of_intruders(store: dist.Store, seen: int, address: str, tell: Callable[[str], None]) -> int:
+    """The owner's side: ``tell`` one line per stranger refused since ``seen``; returns the new count."""
+    seen, strangers = new_intruders(store, seen)
+    for stranger in strangers:
+        tell(explain(f"ddpkit: {stranger.describe()} reached this job's rendezvous at {address} and was "
+                     "refused; this job goes on without it.",
+                     f"two jobs share port {address.rpartition(':')[2]}: {PORT_FIX}."))
+    return seen

@@ -23,7 +23,7 @@ from ddpkit.errors import RendezvousError, explain
 from ddpkit.runtime.environments.dist_env import DistEnv
 from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.environments.threads import thread_share
-from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, new_intruders, read_owner
+from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
 from ddpkit.runtime.port_holder import describe_holder
 
 __all__ = ["rendezvous", "take_share_of_cores"]
@@ -135,12 +135,7 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             if time.monotonic() >= deadline:
                 raise TimeoutError
             if env.rank == 0:
-                seen, strangers = new_intruders(store, seen)
-                for stranger in strangers:
-                    print(explain(
-                        f"ddpkit: {stranger.describe()} reached this job's rendezvous at {address} and was "
-                        "refused; this job goes on without it.",
-                        f"two jobs share port {env.master_port}: {PORT_FIX}."), file=sys.stderr, flush=True)
+                seen = tell_of_intruders(store, seen, address, _tell)
             time.sleep(pause)
             pause = min(_POLL[1], pause * 2)
     except (RuntimeError, OSError, TimeoutError) as e:
@@ -153,6 +148,10 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}).",
             "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
             address=address, timeout=timeout.total_seconds()) from e
+
+
+def _tell(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _left(deadline: float) -> timedelta:
