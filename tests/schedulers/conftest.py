@@ -45,6 +45,13 @@ def python_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def reference_losses() -> list[tuple[int, float]]:
+    """examples/train_ddp.py's losses under 'ddpkit run' with 2 processes, which every launcher must match."""
+    from helpers import ddpkit_run_losses
+    return ddpkit_run_losses(2, python_env())
+
+
+@pytest.fixture(scope="session")
 def mpirun() -> list[str]:
     """The start of an mpirun command line: as root it needs --allow-run-as-root, and more ranks than
     cores need --oversubscribe."""

@@ -59,7 +59,9 @@ class SlurmCluster:
             **kwargs) -> subprocess.CompletedProcess:
         """Run a SLURM client command (srun, sbatch, ...) against this cluster, in ``env``
         (default: this process's environment) plus SLURM_CONF."""
-        env = {**(os.environ if env is None else env), **self.env}
+        base = os.environ if env is None else env
+        # a test run inside a SLURM job must not lead the client to that job
+        env = {**{k: v for k, v in base.items() if not k.startswith("SLURM_")}, **self.env}
         return subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=timeout,
                               **kwargs)
 
@@ -162,9 +164,6 @@ def start_cluster(folder: Path, timeout: float = 60) -> SlurmCluster:
     conf = folder / "slurm.conf"
     conf.write_text(_config(folder, node, cpus, _free_port(), _free_port()))
     env = {"SLURM_CONF": str(conf)}
-    for name in list(os.environ):  # a test run inside a SLURM job must not lead srun to that job
-        if name.startswith("SLURM_") and name != "SLURM_CONF":
-            env[name] = ""
     cluster = SlurmCluster(folder, node, cpus, env)
     key = folder / "munge.key"
     started: list[str] = []
@@ -177,7 +176,7 @@ def start_cluster(folder: Path, timeout: float = 60) -> SlurmCluster:
                                f"--log-file={folder}/munged.log", f"--seed-file={folder}/munged.seed"],
                               capture_output=True, text=True), "munged")
         started.append("munged")
-        daemon_env = {**os.environ, **env}
+        daemon_env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **env}
         for name in ("slurmctld", "slurmd"):
             args = [_exe(name), "-f", str(conf)] + (["-c", "-i"] if name == "slurmctld" else ["-N", node])
             _check(subprocess.run(args, env=daemon_env, capture_output=True, text=True), name, folder)
