@@ -72,6 +72,12 @@ def test_mpirun_inside_a_batch_script_is_read_as_mpi():
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
 
 
+def test_mpirun_whose_daemon_runs_in_an_srun_step_is_still_read_as_mpi():
+    # Open MPI starts its daemons on the other nodes with srun: their ranks inherit a step's variables
+    env = detect({**SRUN, **MPIRUN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 2)
+
+
 def test_pmix_without_pmix_size_reads_open_mpis_size():
     env = detect({"PMIX_RANK": "1", "OMPI_MCA_orte_ess_num_procs": "3", "PMIX_NAMESPACE": "7"})
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 1, 3)

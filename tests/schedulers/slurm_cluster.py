@@ -83,6 +83,9 @@ class SlurmCluster:
     def stop(self) -> None:
         """End the daemons (each by the pid it wrote) and any job still running; wait for them."""
         self.run("scancel", "--full", "-u", "root", timeout=10)
+        deadline = time.monotonic() + 15  # let slurmd end the jobs' steps, so no slurmstepd outlives it
+        while time.monotonic() < deadline and self.run("squeue", "-h", timeout=10).stdout.strip():
+            time.sleep(0.2)
         for name in _DAEMONS:
             pid_file = self.folder / f"{name}.pid"
             if not pid_file.exists():

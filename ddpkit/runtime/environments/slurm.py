@@ -33,6 +33,8 @@ __all__ = ["from_slurm"]
 _SLURM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
 _SLURM_LAYOUT = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+# set by mpirun itself (not by srun, which may set PMI_RANK / PMIX_RANK for its own tasks)
+_MPIRUN_RANKS = ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _SLURM_STEP_ONLY = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST")
 _SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
@@ -93,9 +95,12 @@ def _outside_a_step(environ: Mapping[str, str]) -> bool:
 
     A batch script runs once, as SLURM_PROCID=0, whatever its --ntasks: only srun starts the tasks.
     Under an mpirun inside the script those variables are inherited and say nothing about the
-    ranks (the MPI reader describes them). Started directly with several tasks asked for, the script
+    ranks (the MPI reader describes them); on the other nodes mpirun's daemons may even run in an
+    srun step, whose SLURM_PROCID counts nodes, not ranks. Started directly with several tasks asked for, the script
     would wait the whole rendezvous timeout for ranks that never come: refused at once instead.
     """
+    if any(name in environ for name in _MPIRUN_RANKS):
+        return True  # mpirun's rank (on other nodes its daemon may run in an srun step of its own)
     step = slurm_step(environ)
     if step is not None and step not in SLURM_BATCH_STEPS:
         return False
