@@ -110,7 +110,7 @@ def check_member(store: dist.Store, me: JobRecord, owner: JobRecord, address: st
     raise RendezvousError(explain(
         f"the rendezvous at {address} (port {address.rpartition(':')[2]}) belongs to {what}: "
         f"{owner.describe()}. This is {me.describe()}, so it was refused and joins no process group; "
-        "the other job was told.",
+        "rank 0 of the other job is told while it waits for its ranks.",
         f"two jobs share the port: {PORT_FIX} (under srun and mpirun ddpkit derives a port per job; "
         "see 'Ports and job identity' in docs/schedulers.md)."), address=address, timeout=None)
 
