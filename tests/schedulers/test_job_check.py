@@ -89,3 +89,15 @@ def test_one_rank_given_twice_is_refused():
         for p in ranks:
             p.kill()
             p.communicate()
+
+
+def test_a_port_already_in_use_is_reported_at_once_naming_its_holder():
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        _, err, seconds = _wait_for(_rank(0, 2, port, "train-a"), 60)
+    assert seconds < 15, err  # not after the 30 s rendezvous timeout
+    assert f"rank 0 cannot host the rendezvous: port {port} on {socket.gethostname()} is already in use " \
+           "(MASTER_PORT is set). Another process, probably another job, holds it: pid " in err, err
+    assert "HINT: set MASTER_PORT, or let ddpkit derive it" in err
