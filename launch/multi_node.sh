@@ -2,15 +2,21 @@
 # Train on several machines: run this once on every node, with the same NNODES, MASTER_ADDR and
 # MASTER_PORT everywhere and a different NODE_RANK on each.
 #
+# GPU nodes (one worker per GPU, the default):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0.cluster launch/multi_node.sh examples/train_ddp.py  # on node0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0.cluster launch/multi_node.sh examples/train_ddp.py  # on node1
+# CPU nodes: NPROC=cpu (one worker per core) or a number, e.g.
+#   NPROC=2 NNODES=2 NODE_RANK=0 MASTER_ADDR=node0.cluster launch/multi_node.sh examples/train_ddp.py
 #
 # NNODES       number of nodes (required)
 # NODE_RANK    this node's rank, 0 .. NNODES-1 (required); node 0 hosts the rendezvous
 # MASTER_ADDR  address of node 0 that every node can reach (required)
 # MASTER_PORT  rendezvous port on node 0 (default 29500); the workers use it too (MASTER_PORT, as
 #              in torchrun), so it is the only port of node 0 the other nodes must reach
-# NPROC        workers per node: a number or gpu / cpu / auto (default gpu)
+# JOB_ID       this run's name, the same on every node (--rdzv-id; default: none). A node of another
+#              run that reaches the port is refused; set it when two runs may share node 0
+# NPROC        workers per node: a number or gpu / cpu / auto (default gpu; on CPU nodes, cpu or a
+#              number, since gpu fails without CUDA)
 # RDZV_TIMEOUT seconds to wait for all nodes to join (default 900); a node that never comes is
 #              named in the error
 # NODE_TIMEOUT seconds without a heartbeat from a node's launcher before the others count it as
@@ -31,6 +37,7 @@ exec "${PYTHON:-python3}" -m ddpkit run \
     --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" \
     --master-port "${MASTER_PORT:-29500}" \
+    --rdzv-id "${JOB_ID:-none}" \
     --nproc-per-node "${NPROC:-gpu}" \
     --rdzv-timeout "${RDZV_TIMEOUT:-900}" \
     --node-timeout "${NODE_TIMEOUT:-30}" \

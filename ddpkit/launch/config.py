@@ -18,6 +18,8 @@ import torch
 
 from ddpkit.errors import explain
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
+from ddpkit.runtime.environments.job import job_id
+from ddpkit.runtime.environments.ports import mpi_port, slurm_port
 
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
@@ -48,6 +50,7 @@ class LaunchConfig:
     monitor_interval: float = 0.05
     run_id: str = "none"
     role: str = "default"
+    job_id: str | None = None  # the rendezvous's job check; given to workers as DDPKIT_JOB_ID
 
     @property
     def multi_node(self) -> bool:
@@ -210,8 +213,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     master_port = None if args.master_port is None else int(args.master_port)
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
-    if nnodes > 1 and master_port is None:
-        master_port = DEFAULT_MASTER_PORT
+    if nnodes > 1 and master_port is None:  # under srun/mpirun, every node derives its job's port
+        master_port = slurm_port(environ) or mpi_port(environ) or DEFAULT_MASTER_PORT
     master_addr = str(args.master_addr)
     run_id = str(args.rdzv_id)
     if args.standalone:
@@ -222,7 +225,18 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         max_restarts=int(args.max_restarts), log_dir=args.log_dir,
         rdzv_timeout=float(args.rdzv_timeout), node_timeout=float(args.node_timeout),
         grace_period=float(args.grace_period), monitor_interval=float(args.monitor_interval),
-        run_id=run_id, role=str(args.role))
+        run_id=run_id, role=str(args.role), job_id=launch_job_id(environ, run_id, nnodes))
+
+
+def launch_job_id(environ: Mapping[str, str], run_id: str, nnodes: int) -> str | None:
+    """The job every node and worker of this run names in the rendezvous (None: unnamed).
+
+    DDPKIT_JOB_ID, else --rdzv-id, else the scheduler's job (srun/mpirun starting one launcher per
+    node); a single node without any of them is a job of its own, with a fresh name.
+    """
+    scheduler = {k: v for k, v in environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    named = job_id({**scheduler, "TORCHELASTIC_RUN_ID": run_id}, "ddpkit")
+    return named if named is not None or nnodes > 1 else f"run:{uuid.uuid4()}"
 
 
 def _parse_nnodes(text: str) -> int:

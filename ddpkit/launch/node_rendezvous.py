@@ -8,6 +8,7 @@ live under ``ddpkit-run/``, and ``ddpkit.init`` keeps each attempt's keys apart.
 fail publishes the failure, and every node stops its own. A node that gives up (a missing node, a
 vanished one, a disagreement) leaves the reason under ``abort``, so every node prints the same
 message; node 0 keeps its store open until the others have read the last such message or failure.
+Node 0 records its job in the store, and a node of another job is refused (``job_check``).
 ``NodeWatch`` beats this node's heartbeat; node 0's notices a vanished node.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
 from ddpkit.launch.node_watch import NodeWatch, failure_key, launcher_store, read_key, wait_reachable
 from ddpkit.launch.rendezvous import Layout
+from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
+from ddpkit.runtime.port_holder import describe_holder
 
 __all__ = ["NodeRendezvous"]
 
@@ -46,6 +49,8 @@ class NodeRendezvous:
         self._watch: NodeWatch | None = None
         self._registered = False
         self._attempt: int | None = None
+        self._me = JobRecord.here(config.job_id, None, f"node {config.node_rank}'s ddpkit run")
+        self._intruders = 0
 
     # ---------------------------------------------------------------------------------------- join
     def join(self, abort: Callable[[], bool]) -> Layout:
@@ -57,11 +62,18 @@ class NodeRendezvous:
                 self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
                                              wait_for_workers=False)
             except (RuntimeError, OSError) as e:
-                raise self._error(explain(f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}.",
-                                          "is another job using it? Pick another --master-port.")) from e
+                raise self._error(explain(
+                    f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}. Another process, "
+                    f"probably another job, holds it{describe_holder(cfg.master_port)}.",
+                    f"{PORT_FIX}: give this run another --master-port, or start it under srun/mpirun, "
+                    "which derive one per job.")) from e
+            claim(self._server, self._me)
         self._store = self._connect(deadline, abort)
         store = self._store
         with self._node0_alive("join"):
+            if cfg.node_rank != 0:  # a node of another job must not join this one
+                raw = store.underlying_store  # type: ignore[attr-defined]
+                check_member(raw, self._me, read_owner(raw, self._me, deadline, False), self._address)
             self._check_nnodes(deadline, abort)
             me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
             if store.add(f"node/{cfg.node_rank}/claims", 1) > 1:
@@ -122,6 +134,8 @@ class NodeRendezvous:
         assert store is not None
         while store.add(counter, 0) < cfg.nnodes:
             self._check_abandoned(abort, deadline, what, verb, marker)
+            if self._server is not None:
+                self._intruders = tell_of_intruders(self._server, self._intruders, self._address, say)
             time.sleep(_POLL)
 
     def _check_abandoned(self, abort: Callable[[], bool], deadline: float, what: str, verb: str,

@@ -4,10 +4,12 @@ Workers always connect as clients (TORCHELASTIC_USE_AGENT_STORE=True) to a TCPSt
 node 0 hosts, created anew for every attempt as torchrun does, so a restarted group never reads its
 predecessor's keys. On one node the store listens on the loopback socket the launcher bound itself
 (port 0 unless --master-port): no free-port guess, no bind-then-close race, nothing reachable from
-outside. Several nodes meet first (``node_rendezvous``).
+outside. The launcher records its job in each store, so a worker of another job is refused there
+(``ddpkit.runtime.job_check``). Several nodes meet first (``node_rendezvous``).
 """
 from __future__ import annotations
 
+import errno
 import socket
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +18,8 @@ import torch.distributed as dist
 
 from ddpkit.errors import RendezvousError, explain
 from ddpkit.launch.config import LaunchConfig
+from ddpkit.runtime.job_check import JobRecord, claim
+from ddpkit.runtime.port_holder import describe_holder
 
 __all__ = ["Layout", "host_store", "LocalRendezvous"]
 
@@ -41,7 +45,9 @@ def host_store(bind_addr: str | None, port: int) -> dist.TCPStore:
         sock.bind(address)
         sock.listen(1024)
     except OSError as e:
-        raise RendezvousError(explain(f"cannot listen on {bind_addr}:{port}: {e}.",
+        held = (f" Another process, probably another job, holds port {port}{describe_holder(port)}."
+                if e.errno == errno.EADDRINUSE else "")
+        raise RendezvousError(explain(f"cannot listen on {bind_addr}:{port}: {e}.{held}",
                                       "leave out --master-port to let the launcher pick a free port."),
                               address=f"{bind_addr}:{port}", timeout=None) from e
     # the store takes ownership of the bound socket and closes it when it is destroyed
@@ -62,6 +68,7 @@ class LocalRendezvous:
     def begin_attempt(self, attempt: int, abort: Callable[[], bool]) -> tuple[str, int]:
         self._store = None  # the previous attempt's store closes here, before the new one opens
         self._store = host_store(self._config.master_addr, self._config.master_port or 0)
+        claim(self._store, JobRecord.here(self._config.job_id, self._config.nproc_per_node, "ddpkit run"))
         return self._config.master_addr, self._store.port
 
     def report_failure(self, attempt: int, info: dict) -> None:

@@ -137,7 +137,7 @@ class Supervisor:
                               cfg.nproc_per_node, cfg.node_rank, layout.nnodes)
             env = worker_env(self.environ, place, master_addr=master_addr, master_port=master_port,
                              attempt=attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
-                             role=cfg.role, terminal=sys.stderr.isatty())
+                             role=cfg.role, terminal=sys.stderr.isatty(), job_id=cfg.job_id)
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
             log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None

@@ -36,13 +36,14 @@ class Placement:
 
 def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, master_port: int,
                attempt: int, max_restarts: int, run_id: str, role: str = "default",
-               terminal: bool = False) -> dict[str, str]:
+               terminal: bool = False, job_id: str | None = None) -> dict[str, str]:
     """torchrun's worker variables plus ``DDPKIT_LAUNCHER=ddpkit``, on top of ``base``.
 
     OMP_NUM_THREADS defaults to this process's cores shared out between the local workers, unless
     the user set it (torch would otherwise give every worker every core and oversubscribe the node).
     ``terminal``: the launcher's stderr is a terminal; a worker's is a pipe to it, so it is told
     through ``DDPKIT_TERMINAL=1`` that what it writes there reaches one (ddpkit's progress line).
+    ``job_id``: the launcher's job, which its workers name in the rendezvous (``DDPKIT_JOB_ID``).
     """
     env = dict(base)
     env.update({
@@ -56,6 +57,8 @@ def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, m
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "DDPKIT_LAUNCHER": "ddpkit", "PYTHONUNBUFFERED": "1",
     })
+    if job_id is not None:
+        env["DDPKIT_JOB_ID"] = job_id
     if terminal:
         env[TERMINAL_VARIABLE] = "1"
     else:

@@ -1,8 +1,10 @@
 """Where a process stands in the job and how it talks to the others.
 
 ``env`` reads the launchers' variables (one reader per launcher in ``environments/``) into a frozen
-``DistEnv``; ``process_group`` turns it into a process group (``ddpkit.init``); ``comm`` holds the
-collectives that also work in a world of one. ``ddpkit.env`` and ``ddpkit.comm`` re-export the last two.
+``DistEnv``; ``process_group`` turns it into a process group (``ddpkit.init``), whose ranks meet in
+``rendezvous``, where ``job_check`` keeps other jobs out and ``port_holder`` names who holds a taken
+port; ``comm`` holds the collectives that also work in a world of one. ``ddpkit.env`` and
+``ddpkit.comm`` re-export the last two.
 """
 from __future__ import annotations
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import LauncherVariableError, NotInitializedError, RendezvousError, explain
+from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
 from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
+from ddpkit.runtime.rendezvous import rendezvous
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -37,11 +37,9 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
-# What init() set up, so that a second init() returns it and shutdown() knows what to destroy; and
-# how many groups this process has joined, so that an init() after shutdown() meets on fresh keys.
+# What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
 _state: dict[str, DistEnv | None] = {"env": None}
 _watch: list[hangs.HangWatch | None] = [None]  # the recorder and watchdog of that group
-_joined = [0]
 
 _SETTLE_SECONDS = 0.05
 """How long the exit handler lets collective threads finish their last release (see below)."""
@@ -103,7 +101,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
             dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
                                     store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            store = _rendezvous(env, timeout)
+            store = rendezvous(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
         env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
@@ -233,65 +231,3 @@ def _adopt_existing_group() -> DistEnv:
     launcher = env.launcher if env.world_size == dist.get_world_size() else "torchrun"
     return env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend,
                        device=device, launcher=launcher)
-
-
-def _rendezvous(env: DistEnv, timeout: timedelta) -> dist.Store:
-    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank has arrived.
-
-    One deadline covers both steps: torch's client retries its connection with a backoff that
-    overshoots its timeout about twice over, so a client first waits for the port with plain sockets.
-    """
-    address = f"{env.master_addr}:{env.master_port}"
-    deadline = time.monotonic() + timeout.total_seconds()
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    hosting = env.rank == 0 and not agent_hosts_store
-    try:
-        if not hosting:
-            _wait_until_listening(env.master_addr, env.master_port, deadline)
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosting,
-                              timeout=_left(deadline), wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        who = "the launcher" if agent_hosts_store else "rank 0"
-        raise RendezvousError(explain(
-            f"rank {env.rank} could not reach the rendezvous at {address} within "
-            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}.",
-            f"check that MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on "
-            "every rank, that rank 0 is running, and that the port is free and reachable."),
-            address=address, timeout=timeout.total_seconds()) from e
-    # A restarted group, or one joined again after shutdown(), must not read the keys of the
-    # previous one from a store that outlived it (the launcher's): every rank counts alike.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    _joined[0] += 1
-    store = dist.PrefixStore(f"ddpkit/attempt{attempt}/group{_joined[0]}", store)
-    arrived = store.add("arrived", 1)
-    if arrived == env.world_size:
-        store.set("complete", "1")
-    try:
-        store.wait(["complete"], _left(deadline))
-    except (RuntimeError, OSError) as e:
-        try:
-            joined = f"only {store.add('arrived', 0)}"
-        except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
-            joined = "rank 0 gave up and closed the store, so not all"
-        raise RendezvousError(explain(
-            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
-            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}).",
-            "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
-            address=address, timeout=timeout.total_seconds()) from e
-    return store
-
-
-def _left(deadline: float) -> timedelta:
-    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
-
-
-def _wait_until_listening(host: str, port: int, deadline: float) -> None:
-    """Return once ``host:port`` accepts a connection; OSError at the deadline."""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise OSError(f"nothing accepted a connection there ({e})") from e
-            time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

@@ -97,7 +97,10 @@ def test_slurm_variables():
 
 
 def test_slurm_port_is_derived_from_the_job_id_unless_master_port_is_set():
-    assert detect(SLURM).master_port == 15000 + 3456
+    # the port rule of ddpkit.runtime.environments.ports: 20000 + (job * 16 + step % 16) % 12000
+    assert detect(SLURM).master_port == 20000 + (123456 * 16) % 12000
+    assert detect({**SLURM, "SLURM_STEP_ID": "3"}).master_port == 20000 + (123456 * 16 + 3) % 12000
+    assert detect({**SLURM, "SLURM_JOB_ID": "133456"}).master_port != detect(SLURM).master_port
     assert detect({**SLURM, "MASTER_PORT": "29777"}).master_port == 29777
 
 
@@ -244,7 +247,8 @@ def test_mpi_over_several_nodes_needs_master_addr():
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n1"},
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n1",
+      "SLURM_STEP_ID": "0"},
      r"^SLURM_LOCALID=1 differs from SLURM_PROCID=0, but all 2 processes of the job are on this node"),
     ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
       "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},

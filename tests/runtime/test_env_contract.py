@@ -60,14 +60,14 @@ SRUN_4_NODES = {"SLURM_NODELIST": "gnode[10,20,25,37]", "SLURM_NTASKS_PER_NODE":
                 "SLURM_JOBID": "200505", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "1(x4)",
                 "SLURM_JOB_ID": "200505", "SLURM_NPROCS": "4", "SLURM_CPUS_ON_NODE": "4",
                 "SLURM_JOB_NODELIST": "gnode[10,20,25,37]", "SLURM_JOB_CPUS_PER_NODE": "4(x4)",
-                "SLURM_JOB_NUM_NODES": "4"}
+                "SLURM_JOB_NUM_NODES": "4", "SLURM_STEP_ID": "0"}
 
 
 @pytest.mark.parametrize("rank", range(4))
 def test_slurm_tasks_per_node_layout_wins_over_the_allocations_ntasks_per_node(rank):
     env = detect({**SRUN_4_NODES, "SLURM_PROCID": str(rank), "SLURM_NODEID": str(rank), "SLURM_LOCALID": "0"})
     assert _layout(env) == (rank, 4, 0, 1, rank)
-    assert (env.master_addr, env.master_port) == ("gnode10", 15000 + 505)
+    assert (env.master_addr, env.master_port) == ("gnode10", 20000 + (200505 * 16) % 12000)
 
 
 @pytest.mark.parametrize("rank", range(2))
@@ -92,7 +92,7 @@ def test_slurm_step_tasks_disagreeing_with_the_step_layout_are_refused():
                                                   ("4", 2, (2, 4, 0, 2, 1)), ("3", 2, (2, 3, 0, 1, 1))])
 def test_slurm_without_per_node_counts_splits_the_tasks_over_the_nodes(ntasks, rank, layout):
     env = detect({"SLURM_PROCID": str(rank), "SLURM_NTASKS": ntasks, "SLURM_NNODES": "2",
-                  "SLURM_JOB_NODELIST": "n[1-2]"})
+                  "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0"})
     assert _layout(env) == layout
 
 

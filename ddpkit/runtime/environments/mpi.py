@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
+from ddpkit.runtime.environments.ports import mpi_port
 from ddpkit.runtime.environments.variables import (
     check_one_node,
     check_rank,
@@ -18,10 +19,10 @@ from ddpkit.runtime.environments.variables import (
     refuse,
 )
 
-__all__ = ["from_mpi"]
+__all__ = ["from_mpi", "MPI_FLAVOURS"]
 
 
-_MPI_FLAVOURS = (
+MPI_FLAVOURS = (
     # rank, size, local rank, local size
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
@@ -30,14 +31,20 @@ _MPI_FLAVOURS = (
 )
 
 
+# where a launcher keeps the job's size when the flavour's own size variable is missing
+_SIZE_FALLBACKS = {
+    "PMIX_SIZE": ("OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_ess_num_procs", "OMPI_UNIVERSE_SIZE",
+                  "PMI_SIZE"),
+    "PMI_SIZE": ("PMIX_SIZE",),
+}
+
+
 def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
-    flavour = next((names for names in _MPI_FLAVOURS if names[0] in environ), None)
+    flavour = next((names for names in MPI_FLAVOURS if names[0] in environ), None)
     if flavour is None:
         return None
     rank_name, size_name, local_rank_name, local_size_name = flavour
-    if size_name not in environ:
-        raise refuse(size_name, None, f"{rank_name}={environ[rank_name]!r} is set but {size_name} is not.",
-                     "start the job with mpirun/mpiexec, which sets both.")
+    size_name = _size_variable(environ, rank_name, size_name)
     rank = read_int(environ, rank_name)
     world_size = read_int(environ, size_name, minimum=1)
     check_rank(rank_name, rank, size_name, world_size)
@@ -58,9 +65,25 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
                          "pass it to every rank, e.g. 'mpirun -x MASTER_ADDR=<host of rank 0> "
                          f"-x MASTER_PORT={DEFAULT_MASTER_PORT} ...'.")
         master_addr = LOOPBACK  # every rank is on this node
-    master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
+    # every rank of one mpirun derives the same port from its job id; two mpiruns differ
+    master_port = read_master_port(environ, mpi_port(environ) or DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, "mpi")
+
+
+def _size_variable(environ: Mapping[str, str], rank_name: str, size_name: str) -> str:
+    """The variable holding the number of ranks: the flavour's own, else another this launcher sets.
+
+    Open MPI 4 exports PMIX_RANK but not PMIX_SIZE; its size is in its own variables instead.
+    """
+    candidates = (size_name, *_SIZE_FALLBACKS.get(size_name, ()))
+    found = next((name for name in candidates if environ.get(name, "").strip()), None)
+    if found is None:
+        raise refuse(size_name, None,
+                     f"{rank_name}={environ[rank_name]!r} is set but the number of ranks is not: none of "
+                     f"{', '.join(candidates)} is set.",
+                     f"start the job with mpirun/mpiexec, or export {size_name}=<number of ranks>.")
+    return found
 
 
 def _mpi_node(rank: int, world_size: int, local_rank: int, local_world_size: int) -> int:

@@ -13,6 +13,9 @@ from typing import Mapping
 from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.runtime.environments.hostlist import expand_hostlist, expand_tasks_per_node
+from ddpkit.runtime.environments.job import SLURM_BATCH_STEPS, slurm_step
+from ddpkit.runtime.environments.mpi import MPI_FLAVOURS
+from ddpkit.runtime.environments.ports import slurm_port
 from ddpkit.runtime.environments.variables import (
     check_one_node,
     check_rank,
@@ -30,11 +33,14 @@ __all__ = ["from_slurm"]
 _SLURM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
 _SLURM_LAYOUT = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+# set by mpirun itself (not by srun, which may set PMI_RANK / PMIX_RANK for its own tasks)
+_MPIRUN_RANKS = ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_SLURM_STEP_ONLY = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST")
 _SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
-    if "SLURM_PROCID" not in environ:
+    if "SLURM_PROCID" not in environ or _outside_a_step(environ):
         return None
     rank = read_int(environ, "SLURM_PROCID")
     tasks_name, nodes_name = first_set(environ, *_SLURM_TASKS), first_set(environ, *_SLURM_NODES)
@@ -78,12 +84,44 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
                          "MASTER_ADDR is set, so the ranks cannot find each other.",
                          "run under srun, or export MASTER_ADDR=<first node>.")
         master_addr = LOOPBACK
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    # every task of the job derives the same port from the job id; jobs sharing a node differ
-    default_port = 15000 + int(job_id[-4:]) if job_id and job_id[-4:].isdigit() else DEFAULT_MASTER_PORT
-    master_port = read_master_port(environ, default_port)
+    # every task of the step derives the same port from the job and step id; jobs sharing a node differ
+    master_port = read_master_port(environ, slurm_port(environ) or DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, "slurm")
+
+
+def _outside_a_step(environ: Mapping[str, str]) -> bool:
+    """True where SLURM's variables are the batch script's, not an srun task's.
+
+    A batch script runs once, as SLURM_PROCID=0, whatever its --ntasks: only srun starts the tasks.
+    Under an mpirun inside the script those variables are inherited and say nothing about the
+    ranks (the MPI reader describes them); on the other nodes mpirun's daemons may even run in an
+    srun step, whose SLURM_PROCID counts nodes, not ranks. Started directly with several tasks asked for, the script
+    would wait the whole rendezvous timeout for ranks that never come: refused at once instead.
+    """
+    if any(name in environ for name in _MPIRUN_RANKS):
+        return True  # mpirun's rank (on other nodes its daemon may run in an srun step of its own)
+    step = slurm_step(environ)
+    if step is not None and step not in SLURM_BATCH_STEPS:
+        return False
+    if step is None and first_set(environ, *_SLURM_STEP_ONLY):
+        return False  # srun's step variables without the id (an environment copied in part)
+    if any(names[0] in environ for names in MPI_FLAVOURS):
+        return True
+    if environ["SLURM_PROCID"].strip() != "0":
+        return False  # not the batch script, which is always task 0: some launcher's task
+    tasks_name = first_set(environ, *_SLURM_TASKS)
+    tasks = read_int(environ, tasks_name, minimum=1) if tasks_name else 1
+    if tasks > 1:
+        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "?"
+        where = (f"SLURM_STEP_ID={step} is SLURM's {SLURM_BATCH_STEPS[step]} step" if step
+                 else "SLURM_STEP_ID is unset")
+        raise refuse("SLURM_STEP_ID", step,
+                     f"this is the batch script of SLURM job {job}, run once, not a task of a job step: "
+                     f"{tasks_name}={tasks} but {where}, so the other {tasks - 1} task(s) will never start.",
+                     "start the script with srun inside the batch script, e.g. 'srun python train.py' "
+                     "(or sbatch --wrap 'srun python train.py'); srun starts one task per --ntasks.")
+    return False  # a single-task batch script: a world of one, as SLURM_PROCID=0 of 1 says
 
 
 def _hostlist(environ: Mapping[str, str], name: str) -> list[str]:

@@ -1,0 +1,41 @@
+"""How many CPU threads a rank should use: its share of the cores, the same rule under every launcher.
+
+torch gives every process all the cores it may run on; with several ranks on a node they then fight
+over them (2 threads per rank under plain srun on 2 cores, 1 under ``ddpkit run``). ``ddpkit run``
+exports OMP_NUM_THREADS = cores // local ranks to its workers; srun and mpirun export nothing, so a
+rank they start takes the same share itself, in ``ddpkit.init()``. A user's OMP_NUM_THREADS wins.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+__all__ = ["available_cores", "thread_share"]
+
+_SHARING_LAUNCHERS = ("slurm", "mpi")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, which srun/mpirun/cgroups narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_share(launcher: str, local_world_size: int, environ: Mapping[str, str],
+                 cores: int | None = None) -> int | None:
+    """Threads for one rank started by ``launcher``, or None to leave torch's setting alone.
+
+    Under srun, SLURM_CPUS_PER_TASK is the rank's share when set. None where the user set
+    OMP_NUM_THREADS, and for launchers that set it themselves (torchrun, ``ddpkit run``) or start one
+    process (a world of one keeps every core).
+    """
+    if environ.get("OMP_NUM_THREADS", "").strip() or launcher not in _SHARING_LAUNCHERS:
+        return None
+    cores = available_cores() if cores is None else cores
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
+        # srun gave each task its own cores (--cpus-per-task): the mask may already be the rank's own
+        return min(int(per_task), cores)
+    return max(1, cores // max(1, local_world_size))

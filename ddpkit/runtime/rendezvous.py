@@ -1,0 +1,170 @@
+"""Where a launched job's ranks meet: a TCPStore at MASTER_ADDR:MASTER_PORT, with a deadline and a job check.
+
+Rank 0 hosts the store (or the launcher does, under torchrun and ``ddpkit run``); every rank connects,
+proves it belongs to the store's job (``job_check``), counts itself and waits until all have come.
+Each way this can fail says so at once and in its own words: a port rank 0 cannot bind is held by
+another process, probably another job; a rank of another job is refused and the owner told; only
+ranks that never come cost the whole timeout. Before meeting, a rank started by srun or mpirun takes
+its share of the node's cores (``environments.threads``), as ``ddpkit run``'s workers are given.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import RendezvousError, explain
+from ddpkit.runtime.environments.dist_env import DistEnv
+from ddpkit.runtime.environments.job import job_id
+from ddpkit.runtime.environments.threads import thread_share
+from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
+from ddpkit.runtime.port_holder import describe_holder
+
+__all__ = ["rendezvous", "take_share_of_cores"]
+
+# how many groups this process has joined, so that an init() after shutdown() meets on fresh keys
+_joined = [0]
+_POLL = (0.002, 0.1)  # seconds between checks while waiting: from quick to patient
+
+
+def take_share_of_cores(env: DistEnv, environ: Mapping[str, str]) -> None:
+    """Under srun/mpirun, unless OMP_NUM_THREADS is set: torch threads = cores // local ranks."""
+    threads = thread_share(env.launcher, env.local_world_size, environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # for the processes this rank starts
+
+
+def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | None = None) -> dist.Store:
+    """Connect to (or, on rank 0, host) the TCPStore and wait until every rank of this job has arrived.
+
+    One deadline covers every step: torch's client retries its connection with a backoff that
+    overshoots its timeout about twice over, so a client first waits for the port with plain sockets.
+
+    Raises:
+        RendezvousError: the port is taken, the store belongs to another job, or not every rank
+            arrived within ``timeout`` (a RuntimeError); the message says which, and the fix.
+    """
+    environ = os.environ if environ is None else environ
+    take_share_of_cores(env, environ)
+    address = f"{env.master_addr}:{env.master_port}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    agent_hosts_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosting = env.rank == 0 and not agent_hosts_store
+    me = JobRecord.here(job_id(environ, env.launcher), env.world_size, f"rank {env.rank}")
+    store = _host(env, address, environ) if hosting else _connect(env, address, timeout, deadline,
+                                                                   agent_hosts_store)
+    if hosting:
+        claim(store, me)
+    else:
+        try:
+            owner = read_owner(store, me, deadline, first_come=agent_hosts_store)
+        except TimeoutError as e:
+            raise RendezvousError(explain(
+                f"rank {env.rank} reached a store at {address}, but nothing there says which job owns it "
+                f"within {timeout.total_seconds():.0f} s: it is not a ddpkit rendezvous.",
+                f"another program holds port {env.master_port}: {PORT_FIX}."),
+                address=address, timeout=timeout.total_seconds()) from e
+        check_member(store, me, owner, address)
+    # A restarted group, or one joined again after shutdown(), must not read the keys of the
+    # previous one from a store that outlived it (the launcher's): every rank counts alike.
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _joined[0] += 1
+    group = dist.PrefixStore(f"ddpkit/attempt{attempt}/group{_joined[0]}", store)
+    if group.add(f"rank/{env.rank}", 1) > 1:
+        raise RendezvousError(explain(
+            f"rank {env.rank} joined the rendezvous at {address} twice: two processes of "
+            f"{me.describe()} were given RANK={env.rank}.",
+            f"give each process its own rank; if another job uses this port too: {PORT_FIX}."),
+            address=address, timeout=None)
+    if group.add("arrived", 1) == env.world_size:
+        group.set("complete", "1")
+    _wait_complete(env, store, group, address, timeout, deadline)
+    return group
+
+
+def _host(env: DistEnv, address: str, environ: Mapping[str, str]) -> dist.Store:
+    """Rank 0 opens the store; a port already taken is reported now, not after the timeout."""
+    try:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
+                             wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        in_use = "EADDRINUSE" in str(e) or "already in use" in str(e)
+        if not in_use:
+            raise RendezvousError(explain(f"rank 0 cannot host the rendezvous at {address}: {e}.",
+                                          f"check MASTER_ADDR={env.master_addr} names this host."),
+                                  address=address, timeout=None) from e
+        chosen = ("MASTER_PORT is set" if "MASTER_PORT" in environ
+                  else f"ddpkit derived it from the {env.launcher} job id")
+        raise RendezvousError(explain(
+            f"rank 0 cannot host the rendezvous: port {env.master_port} on {socket.gethostname()} is "
+            f"already in use ({chosen}). Another process, probably another job, holds it"
+            f"{describe_holder(env.master_port)}.",
+            f"{PORT_FIX}: give each job its own MASTER_PORT, or unset it under srun/mpirun, where "
+            "ddpkit derives a port per job."),
+            address=address, timeout=None) from e
+
+
+def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, agent: bool) -> dist.Store:
+    try:
+        _wait_until_listening(env.master_addr, env.master_port, deadline)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                             timeout=_left(deadline), wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        who = "the launcher" if agent else "rank 0"
+        raise RendezvousError(explain(
+            f"rank {env.rank} could not reach the rendezvous at {address} within "
+            f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}.",
+            f"check that MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on "
+            "every rank, that rank 0 is running, and that the port is free and reachable."),
+            address=address, timeout=timeout.total_seconds()) from e
+
+
+def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: str, timeout: timedelta,
+                   deadline: float) -> None:
+    """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused."""
+    pause, seen = _POLL[0], 0
+    try:
+        while not group.check(["complete"]):
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+            if env.rank == 0:
+                seen = tell_of_intruders(store, seen, address, _tell)
+            time.sleep(pause)
+            pause = min(_POLL[1], pause * 2)
+    except (RuntimeError, OSError, TimeoutError) as e:
+        try:
+            joined = f"only {group.add('arrived', 0)}"
+        except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
+            joined = "rank 0 gave up and closed the store, so not all"
+        raise RendezvousError(explain(
+            f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
+            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}).",
+            "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
+            address=address, timeout=timeout.total_seconds()) from e
+
+
+def _tell(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
+
+
+def _wait_until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once ``host:port`` accepts a connection; OSError at the deadline."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing accepted a connection there ({e})") from e
+            time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

@@ -1,0 +1,70 @@
+"""``ddpkit run``'s job identity: workers name the launcher's job, and a node of another run is refused."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.launch.config import launch_job_id, parse_args
+from ddpkit.launch.workers import Placement, worker_env
+
+REPO = Path(__file__).resolve().parents[2]
+_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "ROLE_", "TORCHELASTIC_", "SLURM_", "OMPI_",
+             "PMIX_", "DDPKIT_")
+
+
+def test_the_run_is_named_by_the_user_the_rdzv_id_or_the_scheduler():
+    assert launch_job_id({"DDPKIT_JOB_ID": "mine"}, "abc", 2) == "user:mine"
+    assert launch_job_id({}, "abc", 2) == "run:abc"
+    assert launch_job_id({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}, "none", 2) == "slurm:12.0"
+    assert launch_job_id({}, "none", 2) is None  # several nodes and nothing to name them: unnamed
+    assert launch_job_id({}, "none", 1).startswith("run:")  # one node: its own fresh name
+
+
+def test_workers_are_given_the_launchers_job_and_multi_node_ports_follow_the_scheduler():
+    place = Placement(0, 0, 2, 2, 0, 1)
+    env = worker_env({}, place, master_addr="127.0.0.1", master_port=1, attempt=0, max_restarts=0,
+                     run_id="none", job_id="slurm:12.0")
+    assert env["DDPKIT_JOB_ID"] == "slurm:12.0"
+    srun = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}
+    config = parse_args(["--nnodes", "2", "--node-rank", "0", "--master-addr", "n0", "x.py"], srun)
+    assert config.master_port == 20000 + (4242 * 16 + 1) % 12000 and config.job_id == "slurm:4242.1"
+    assert parse_args(["--nnodes", "2", "--node-rank", "0", "--master-addr", "n0", "x.py"], {}).master_port == 29500
+
+
+@pytest.mark.timeout(60)
+def test_a_node_of_another_run_is_refused_at_once_and_node_0_is_told(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+
+    def node(rank: int, run: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-id", run,
+             "--master-addr", "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "8",
+             "--nproc-per-node", "1", "examples/train_ddp.py"], env=env, cwd=REPO, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    owner = node(0, "train-a")
+    try:
+        time.sleep(2)
+        start = time.monotonic()
+        stranger = node(1, "train-b")
+        _, err = stranger.communicate(timeout=30)
+        assert stranger.returncode != 0 and time.monotonic() - start < 8, err  # before the 8 s timeout
+        assert f"(port {port}) belongs to another job: job run:train-a (node 0's ddpkit run" in err, err
+        assert "This is job run:train-b (node 1's ddpkit run" in err
+        _, told = owner.communicate(timeout=30)
+        assert "job run:train-b (node 1's ddpkit run" in told and "was refused" in told, told
+    finally:
+        for p in (owner,):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
