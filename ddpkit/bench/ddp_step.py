@@ -146,7 +146,12 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
     """One row per (model, variant): step-time statistics in seconds; unavailable variants marked."""
     rows = []
     for model_name in model_names:
-        steppers = {v: make_stepper(v, model_name, quick, device) for v in VARIANTS}
+        steppers, reasons = {}, {}
+        for v in VARIANTS:
+            try:  # a DDP refusing a model (every rank alike: same model, same checks) is a result too
+                steppers[v] = make_stepper(v, model_name, quick, device)
+            except (RuntimeError, ValueError, TypeError) as e:
+                reasons[v] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         cpu: dict[str, list[float]] = {}
         timings = time_interleaved(steppers, repeats, steps, warmup=2, device=device, cpu_out=cpu)
         for variant in VARIANTS:
@@ -154,6 +159,8 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
             if variant in timings:
                 row.update(summarize(timings[variant]), times=timings[variant],
                            cpu_median=median(cpu[variant]), cpu_times=cpu[variant])
+            else:
+                row["reason"] = reasons.get(variant, "not run")
             rows.append(row)
     return rows
 
@@ -190,8 +197,9 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
                        "[quartiles]; the variants alternate their order from round to round.")
     table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
                        "ranks): the work done, less sensitive than wall time to a busy machine.")
-    if any(not r["available"] for r in rows):
-        table.notes.append("n/a: ddpkit.ddp.distributed is not available in this checkout.")
+    for r in rows:
+        if not r["available"]:
+            table.notes.append(f"n/a: {r['model']} {r['variant']}: {r.get('reason', 'not run')}")
     return table
 
 
