@@ -109,6 +109,8 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
     if "memory" in config.tables:
         rows = memory.run_memory(list(config.models), config.quick, device)
         results["memory"] = rows
+        results["memory_peak_ratios"] = [{"model": m, "gradient_as_bucket_view": v, "ddpkit/torch": r}
+                                         for (m, v), r in memory.peak_ratios(rows).items()]
         _print(memory.memory_table(rows, world_size).render())
     if "profile" in config.tables:
         from ddpkit.bench import profile
