@@ -61,14 +61,22 @@ class Stepper:
         self.opt.step()
 
 
+class _BucketsOnlyDDP(DistributedDataParallel):
+    """ddpkit's DDP with every gradient copied into a bucket, as before Note [Big gradients in place]."""
+
+    _reducer_options = {"in_place_bytes": 0}
+
+
 def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn.Module:
-    """Wrap ``model`` in ddpkit's (``kind="ddpkit"``) or torch's (``"torch"``) DDP."""
+    """Wrap ``model`` in ddpkit's (``kind="ddpkit"``), torch's (``"torch"``) DDP, or ddpkit's
+    without gradients reduced in place (``"ddpkit_buckets"``, for the profile)."""
     device_ids = [device.index] if device.type == "cuda" else None
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
-    if kind == "ddpkit":
-        return DistributedDataParallel(model, device_ids=device_ids, **options)
-    raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
+    if kind in ("ddpkit", "ddpkit_buckets"):
+        cls = DistributedDataParallel if kind == "ddpkit" else _BucketsOnlyDDP
+        return cls(model, device_ids=device_ids, **options)
+    raise ValueError(f"kind={kind!r} is not 'ddpkit', 'ddpkit_buckets' or 'torch'.")
 
 
 def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Stepper:
@@ -101,7 +109,7 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
     model = build_model(model_name, quick, device)
     if variant == "floor":
         return _floor_stepper(model, x, y)
-    if variant in ("ddpkit", "torch"):
+    if variant in ("ddpkit", "torch", "ddpkit_buckets"):
         model = make_ddp(variant, model, device, **ddp_options)
     elif variant != "local":
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")

@@ -3,14 +3,15 @@
 On CPU, Python-level tracers do not see tensor storage, so two figures are reported:
 
 * *accounted*: the bytes of the distinct storages behind every ``.grad`` and every bucket buffer
-  (buckets are seen through a recording comm hook). With ``gradient_as_bucket_view=True`` the grads
-  alias the buckets, so this drops from ~2x to ~1x the gradient bytes.
+  (torch's buckets are seen through a recording comm hook, ddpkit's read directly: a hook would give
+  it torch's layout). With ``gradient_as_bucket_view=True`` the grads alias the buckets, so this
+  drops from ~2x to ~1x the gradient bytes (ddpkit's gradients reduced in place have no bucket).
 * *peak*: the process's RSS peak over building the model, wrapping it and a few steps, minus its RSS
-  before (freed heap is trimmed first). On Linux the kernel's own high-water mark, ``VmHWM``, reset
-  before each measurement (``/proc/self/clear_refs``): exact, where a sampler can miss a short
-  peak, and without a separate process per figure (``getrusage``'s peak cannot be reset). torch
-  keeps no allocator statistics for CPU tensors, so RSS it is; elsewhere RSS is sampled every
-  millisecond. On CUDA, the allocator's peak.
+  before, in fresh processes per figure (``ddpkit.bench.fresh``), freed heap trimmed first. On
+  Linux it is the kernel's own high-water mark, ``VmHWM``, reset at the start
+  (``/proc/self/clear_refs``): exact, where a sampler can miss a short peak. torch keeps no
+  allocator statistics for CPU tensors, so RSS it is; where ``VmHWM`` cannot be reset, RSS is
+  sampled every millisecond. On CUDA, the allocator's peak.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import psutil
 import torch
 
 from ddpkit.bench.ddp_step import make_stepper
+from ddpkit.bench.fresh import in_fresh_processes
 from ddpkit.bench.report import Table, fmt_bytes
 from ddpkit.bench.sync import max_over_ranks
 
@@ -138,6 +140,12 @@ def _recording_hook(kind: str, storages: dict[int, int]) -> Callable:
 
 def _measure(kind: str, model: str, quick: bool, device: torch.device, view: bool,
              steps: int) -> dict:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    max_over_ranks([0.0], device)  # Gloo's first collective allocates its own buffers: not ours
+    warm = make_stepper("local", model, quick, device)  # pages in the model's kernels, for both DDPs alike
+    warm()
+    del warm
     buckets: dict[int, int] = {}
     with PeakSampler(device) as sampler:
         # grads zeroed in place: with set_to_none each backward allocates fresh grads before DDP
@@ -172,11 +180,9 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
 
 
 def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3) -> list[dict]:
-    kinds = ["ddpkit", "torch"]
-    # a first, discarded run pays the process's one-time allocations (gloo buffers, caches)
-    _measure(kinds[-1], model_names[0], quick, device, False, steps)
-    return [_measure(kind, model, quick, device, view, steps)
-            for model in model_names for kind in kinds for view in (False, True)]
+    """Every figure in fresh processes (see ``ddpkit.bench.fresh``): the same start for each."""
+    return [in_fresh_processes(_measure, kind, model, quick, device, view, steps)
+            for model in model_names for kind in ("ddpkit", "torch") for view in (False, True)]
 
 
 def memory_table(rows: list[dict], world_size: int) -> Table:

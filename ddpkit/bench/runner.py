@@ -119,6 +119,10 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
                                      config.repeats * config.steps, device)
         results["profile"] = result
         _print(profile.profile_table(result, world_size))
+        from ddpkit.bench import threads
+
+        results["threads"] = threads.run_threads(list(config.models), config.quick, max(3, config.steps * 3), device)
+        _print(threads.threads_table(results["threads"], world_size).render())
     return results
 
 

@@ -110,7 +110,7 @@ class BucketLayout:
                 b.name = self.sparse_names[b.param_indices[0]]
         self.counts = [len(b.params) for b in self.buckets]
         # a big gradient is scaled into its slot by its own hook, while still in cache; with
-        # gradient_as_bucket_view it is already there. See Note [Big gradients] in docs/design.md
+        # gradient_as_bucket_view it is there already, or moves there. See Note [Big gradients]
         self.big_slot: list[torch.Tensor | None] = [None] * len(params)
         if self.as_view:  # gradients that exist move into the buckets, as torch does
             with torch.no_grad():
@@ -119,10 +119,9 @@ class BucketLayout:
                         if p.grad is not None and p.grad is not v:
                             v.copy_(p.grad)
                             p.grad = v
-        else:
-            for b in self.buckets:
-                for i, v in zip(b.param_indices[: b.num_big], b.views):
-                    self.big_slot[i] = v
+        for b in self.buckets:  # with as_view, any gradient autograd allocated moves in by its hook
+            for i, v in zip(b.param_indices if self.as_view else b.param_indices[: b.num_big], b.views):
+                self.big_slot[i] = v
 
     def write_back(self, mask: Sequence[bool] | None) -> None:
         """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""

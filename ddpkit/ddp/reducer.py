@@ -25,7 +25,7 @@ from ddpkit.ddp.autograd_engine import (
     outside_backward_python_context,
     queue_end_of_backward_callback,
 )
-from ddpkit.ddp.bucket import Bucket, copy_in
+from ddpkit.ddp.bucket import Bucket, copy_in, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
@@ -181,7 +181,9 @@ class Reducer:
         slot = it.big_slot[index]
         if slot is not None and self._join_work is None:  # else at _launch, once the scale is known
             grad = self.params[index].grad
-            if grad is not None:
+            if grad is not None and self.as_view:  # the first time, it becomes its view (scaled at launch)
+                move_in(self.params[index], grad, slot)
+            elif grad is not None:
                 copy_in(grad, slot, it.scale if self.collectives.comm_hook is None else None)
                 it.copied[index] = True
         record = it.record
