@@ -32,7 +32,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out.json"
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--backend", "gloo",
                            "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     return proc, out
 
 
