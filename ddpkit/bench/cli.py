@@ -3,6 +3,7 @@
     ddpkit bench                       # full run, 2 local ranks (a few minutes on 2 CPU cores)
     ddpkit bench --quick --json o.json # smoke run, a few seconds
     python -m ddpkit bench --nproc 4 --tables collectives --plot bw.png
+    ddpkit bench --tables ddp,memory --nproc 2,3 --models mlp34,embedding
 
 The bench spawns its own ranks (it needs no launcher), hosts their rendezvous store on a port the OS
 picks, and prints every table on rank 0.
@@ -14,8 +15,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from dataclasses import replace
+from typing import Sequence
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "parse_all"]
 
 _TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
                   "collectives": "collectives", "ddp": "ddp", "step": "ddp", "buckets": "buckets",
@@ -28,7 +31,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
                     "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
                     "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile).")
-    parser.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    parser.add_argument("--nproc", default="2",
+                        help="local ranks to spawn, or a comma list (2,3): one run per world size, "
+                             "--json and --plot files then named FILE.nN.ext (default 2)")
     parser.add_argument("--backend", default=None,
                         help="process-group backend (default nccl with CUDA, else gloo)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds)")
@@ -37,7 +42,11 @@ def _build_parser() -> argparse.ArgumentParser:
                              "collective size (default 20; large messages use fewer); quick 3")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps per timed repeat (default 3, quick 2)")
-    parser.add_argument("--models", default="large,small", help="comma list of: large, small")
+    parser.add_argument("--models", default=None,
+                        help="comma list of the family's members: large, mlp34, small, transformer, "
+                             "convbn, embedding (default all)")
+    parser.add_argument("--bucket-models", default="large",
+                        help="the models of the bucket-cap and hook sweep, table 3 (default large)")
     parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
                         help="comma list of: collectives, ddp, buckets, memory, profile (or 1-5); "
                              "default all but profile")
@@ -53,23 +62,58 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str]):
-    """Parse and validate ``argv`` into a ``BenchConfig``; raises SystemExit(2) on bad input."""
-    from ddpkit.bench.models import MODELS
+def _names(parser: argparse.ArgumentParser, flag: str, text: str, known: Sequence[str]) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not names or any(m not in known for m in names):
+        parser.error(f"{flag} {text!r}: expected a comma list of {list(known)}.")
+    return names
+
+
+def parse_all(argv: list[str]) -> list:
+    """Parse ``argv`` into one ``BenchConfig`` per world size of ``--nproc``; SystemExit(2) on bad input."""
+    parser = _build_parser()
+    try:
+        sizes = [int(n) for n in parser.parse_args(argv).nproc.split(",") if n.strip()]
+    except ValueError:
+        parser.error("--nproc: expected a number of ranks or a comma list of them (2,3).")
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--nproc must be >= 1, got {sizes}.")
+    config = parse_args(argv, nproc=sizes[0])
+    if len(sizes) == 1:
+        return [config]
+    return [replace(config, nproc=n, json_path=_suffixed(config.json_path, n),
+                    plot_path=_suffixed(config.plot_path, n)) for n in sizes]
+
+
+def _suffixed(path: str | None, nproc: int) -> str | None:
+    if path is None:
+        return None
+    root, ext = os.path.splitext(path)
+    return f"{root}.n{nproc}{ext}"
+
+
+def parse_args(argv: list[str], nproc: int | None = None):
+    """Parse and validate ``argv`` into a ``BenchConfig`` (the first world size of ``--nproc``, or
+    ``nproc``); raises SystemExit(2) on bad input."""
+    from ddpkit.bench.models import FAMILY, MODELS
     from ddpkit.bench.runner import BenchConfig
 
     parser = _build_parser()
     args = parser.parse_args(argv)
+    if nproc is None:
+        try:
+            nproc = int(args.nproc.split(",")[0])
+        except ValueError:
+            parser.error("--nproc: expected a number of ranks or a comma list of them (2,3).")
+    args.nproc = nproc
     if args.nproc < 1:
         parser.error(f"--nproc must be >= 1, got {args.nproc}.")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}.")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}.")
-    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    unknown = [m for m in models if m not in MODELS]
-    if unknown or not models:
-        parser.error(f"--models {args.models!r}: expected a comma list of {sorted(MODELS)}.")
+    models = _names(parser, "--models", args.models, list(MODELS)) if args.models else FAMILY
+    bucket_models = _names(parser, "--bucket-models", args.bucket_models, list(MODELS))
     tables = [t.strip() for t in args.tables.split(",") if t.strip()]
     bad = [t for t in tables if t not in _TABLE_ALIASES]
     if bad or not tables:
@@ -90,7 +134,7 @@ def parse_args(argv: list[str]):
         nproc=args.nproc, backend=backend, quick=args.quick,
         repeats=args.repeats or (3 if args.quick else 40),
         coll_repeats=args.repeats or (3 if args.quick else 20),
-        steps=args.steps or (2 if args.quick else 3), models=models,
+        steps=args.steps or (2 if args.quick else 3), models=models, bucket_models=bucket_models,
         tables=tuple(dict.fromkeys(_TABLE_ALIASES[t] for t in tables)),
         max_bytes=args.max_size << 20 if args.max_size else None,
         threads=args.threads or (1 if on_cpu else max(1, (os.cpu_count() or 1) // args.nproc)),
@@ -115,9 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns 0 when every rank finished, 1 otherwise (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = parse_args(argv)
+        configs = parse_all(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    worst = 0
+    for config in configs:
+        if len(configs) > 1:
+            print(f"ddpkit bench: --nproc {config.nproc}", flush=True)
+        worst = max(worst, _run(config))
+    return worst
+
+
+def _run(config) -> int:
+    """One bench run at one world size."""
     if config.backend == "nccl" and _cuda():
         import torch
 

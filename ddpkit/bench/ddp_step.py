@@ -61,14 +61,22 @@ class Stepper:
         self.opt.step()
 
 
+class _BucketsOnlyDDP(DistributedDataParallel):
+    """ddpkit's DDP with every gradient copied into a bucket, as before Note [Big gradients in place]."""
+
+    _reducer_options = {"in_place_bytes": 0}
+
+
 def make_ddp(kind: str, model: nn.Module, device: torch.device, **options) -> nn.Module:
-    """Wrap ``model`` in ddpkit's (``kind="ddpkit"``) or torch's (``"torch"``) DDP."""
+    """Wrap ``model`` in ddpkit's (``kind="ddpkit"``), torch's (``"torch"``) DDP, or ddpkit's
+    without gradients reduced in place (``"ddpkit_buckets"``, for the profile)."""
     device_ids = [device.index] if device.type == "cuda" else None
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **options)
-    if kind == "ddpkit":
-        return DistributedDataParallel(model, device_ids=device_ids, **options)
-    raise ValueError(f"kind={kind!r} is not 'ddpkit' or 'torch'.")
+    if kind in ("ddpkit", "ddpkit_buckets"):
+        cls = DistributedDataParallel if kind == "ddpkit" else _BucketsOnlyDDP
+        return cls(model, device_ids=device_ids, **options)
+    raise ValueError(f"kind={kind!r} is not 'ddpkit', 'ddpkit_buckets' or 'torch'.")
 
 
 def _floor_stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Stepper:
@@ -101,7 +109,7 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
     model = build_model(model_name, quick, device)
     if variant == "floor":
         return _floor_stepper(model, x, y)
-    if variant in ("ddpkit", "torch"):
+    if variant in ("ddpkit", "torch", "ddpkit_buckets"):
         model = make_ddp(variant, model, device, **ddp_options)
     elif variant != "local":
         raise ValueError(f"variant={variant!r} is not one of {VARIANTS}.")
@@ -146,7 +154,12 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
     """One row per (model, variant): step-time statistics in seconds; unavailable variants marked."""
     rows = []
     for model_name in model_names:
-        steppers = {v: make_stepper(v, model_name, quick, device) for v in VARIANTS}
+        steppers, reasons = {}, {}
+        for v in VARIANTS:
+            try:  # a DDP refusing a model (every rank alike: same model, same checks) is a result too
+                steppers[v] = make_stepper(v, model_name, quick, device)
+            except (RuntimeError, ValueError, TypeError) as e:
+                reasons[v] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         cpu: dict[str, list[float]] = {}
         timings = time_interleaved(steppers, repeats, steps, warmup=2, device=device, cpu_out=cpu)
         for variant in VARIANTS:
@@ -154,6 +167,8 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
             if variant in timings:
                 row.update(summarize(timings[variant]), times=timings[variant],
                            cpu_median=median(cpu[variant]), cpu_times=cpu[variant])
+            else:
+                row["reason"] = reasons.get(variant, "not run")
             rows.append(row)
     return rows
 
@@ -190,8 +205,9 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
                        "[quartiles]; the variants alternate their order from round to round.")
     table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
                        "ranks): the work done, less sensitive than wall time to a busy machine.")
-    if any(not r["available"] for r in rows):
-        table.notes.append("n/a: ddpkit.ddp.distributed is not available in this checkout.")
+    for r in rows:
+        if not r["available"]:
+            table.notes.append(f"n/a: {r['model']} {r['variant']}: {r.get('reason', 'not run')}")
     return table
 
 

@@ -3,15 +3,21 @@
 On CPU, Python-level tracers do not see tensor storage, so two figures are reported:
 
 * *accounted*: the bytes of the distinct storages behind every ``.grad`` and every bucket buffer
-  (buckets are seen through a recording comm hook). With ``gradient_as_bucket_view=True`` the grads
-  alias the buckets, so this drops from ~2x to ~1x the gradient bytes.
+  (torch's buckets are seen through a recording comm hook, ddpkit's read directly: a hook would give
+  it torch's layout). With ``gradient_as_bucket_view=True`` the grads alias the buckets, so this
+  drops from ~2x to ~1x the gradient bytes (ddpkit's gradients reduced in place have no bucket).
 * *peak*: the process's RSS peak over building the model, wrapping it and a few steps, minus its RSS
-  before (sampled every millisecond; freed heap is trimmed first). On CUDA, the allocator's peak.
+  before, in fresh processes per figure (``ddpkit.bench.fresh``), freed heap trimmed first. On
+  Linux it is the kernel's own high-water mark, ``VmHWM``, reset at the start
+  (``/proc/self/clear_refs``): exact, where a sampler can miss a short peak. torch keeps no
+  allocator statistics for CPU tensors, so RSS it is; where ``VmHWM`` cannot be reset, RSS is
+  sampled every millisecond. On CUDA, the allocator's peak.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import re
 import threading
 from typing import Callable
 
@@ -19,10 +25,11 @@ import psutil
 import torch
 
 from ddpkit.bench.ddp_step import make_stepper
+from ddpkit.bench.fresh import in_fresh_processes
 from ddpkit.bench.report import Table, fmt_bytes
 from ddpkit.bench.sync import max_over_ranks
 
-__all__ = ["run_memory", "memory_table", "PeakSampler"]
+__all__ = ["run_memory", "memory_table", "peak_ratios", "PeakSampler"]
 
 
 class PeakSampler:
@@ -31,6 +38,7 @@ class PeakSampler:
     def __init__(self, device: torch.device, interval: float = 0.001):
         self.device = device
         self.interval = interval
+        self.kind = "cuda_allocated" if device.type == "cuda" else "rss_hwm" if _reset_hwm() else "rss"
         self._proc = psutil.Process()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,7 +61,9 @@ class PeakSampler:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         self.base = self.peak = self._now()
-        if self.device.type != "cuda":
+        if self.kind == "rss_hwm":
+            _reset_hwm()
+        elif self.device.type != "cuda":
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
@@ -64,6 +74,8 @@ class PeakSampler:
             self._thread.join()
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.kind == "rss_hwm":
+            self.peak = _hwm()
         self.peak = max(self.peak, self._now())
 
     def retained(self) -> int:
@@ -77,12 +89,38 @@ class PeakSampler:
         return self.peak - self.base
 
 
+def _reset_hwm() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux 4.0+); False where it cannot be."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _hwm() > 0
+    except OSError:
+        return False
+
+
+def _hwm() -> int:
+    """The process's RSS high-water mark (``VmHWM``) in bytes, 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return 0
+    return int(match.group(1)) * 1024 if match else 0
+
+
 def _trim_heap() -> None:
     """Give freed heap back to the OS (glibc), so one variant's leftovers do not hide the next's."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _ddpkit_buckets(ddp) -> dict[int, int]:
+    """The storages of ddpkit's bucket buffers (a gradient reduced in place has none of its own)."""
+    flats = [b.flat for b in ddp.reducer.buckets if not b.sparse and b.flat.numel()]
+    return {f.untyped_storage().data_ptr(): f.untyped_storage().nbytes() for f in flats}
 
 
 def _recording_hook(kind: str, storages: dict[int, int]) -> Callable:
@@ -102,18 +140,26 @@ def _recording_hook(kind: str, storages: dict[int, int]) -> Callable:
 
 def _measure(kind: str, model: str, quick: bool, device: torch.device, view: bool,
              steps: int) -> dict:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    max_over_ranks([0.0], device)  # Gloo's first collective allocates its own buffers: not ours
+    warm = make_stepper("local", model, quick, device)  # pages in the model's kernels, for both DDPs alike
+    warm()
+    del warm
     buckets: dict[int, int] = {}
     with PeakSampler(device) as sampler:
         # grads zeroed in place: with set_to_none each backward allocates fresh grads before DDP
         # copies them into the buckets, and the view's saving would not show in the peak
         step = make_stepper(kind, model, quick, device, set_to_none=False,
                             gradient_as_bucket_view=view)
-        assert step is not None
-        step.module.register_comm_hook(None, _recording_hook(kind, buckets))
+        if kind == "torch":  # its buckets are out of Python's sight; a hook does not change them
+            step.module.register_comm_hook(None, _recording_hook(kind, buckets))
         for _ in range(steps - 1):
             step()
         buckets.clear()  # both DDPs may rebuild buckets after the first step: keep the last ones
         step()
+        if kind == "ddpkit":  # read directly: a hook would give it torch's layout, without in-place buckets
+            buckets.update(_ddpkit_buckets(step.module))
         params = list(step.module.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         grads: dict[int, int] = {}
@@ -130,19 +176,18 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
             "grad_bytes": sum(grads.values()), "bucket_bytes": sum(buckets.values()),
             "accounted_bytes": sum({**grads, **buckets}.values()),
             "peak_bytes": int(peak), "retained_bytes": int(retained),
-            "peak_kind": "cuda_allocated" if device.type == "cuda" else "rss"}
+            "peak_kind": sampler.kind}
 
 
 def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3) -> list[dict]:
-    kinds = ["ddpkit", "torch"]
-    # a first, discarded run pays the process's one-time allocations (gloo buffers, caches)
-    _measure(kinds[-1], model_names[0], quick, device, False, steps)
-    return [_measure(kind, model, quick, device, view, steps)
-            for model in model_names for kind in kinds for view in (False, True)]
+    """Every figure in fresh processes (see ``ddpkit.bench.fresh``): the same start for each."""
+    return [in_fresh_processes(_measure, kind, model, quick, device, view, steps)
+            for model in model_names for kind in ("ddpkit", "torch") for view in (False, True)]
 
 
 def memory_table(rows: list[dict], world_size: int) -> Table:
-    peak_name = "CUDA peak" if rows and rows[0]["peak_kind"] == "cuda_allocated" else "RSS peak"
+    peak_name = {"cuda_allocated": "CUDA peak", "rss_hwm": "RSS high-water"}.get(rows[0]["peak_kind"] if rows else "",
+                                                                                "RSS peak")
     table = Table(f"4. Gradient memory, gradient_as_bucket_view off/on ({world_size} ranks; max over "
                   "ranks)",
                   ["model", "impl", "grad view", "params", "grads", "buckets", "accounted",
@@ -157,4 +202,15 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
                        "backward allocates fresh grads either way); retained: held after the steps.")
     table.notes.append("steps use zero_grad(set_to_none=False); with set_to_none=True autograd "
                        "allocates fresh grads every backward and the peak does not drop with the view.")
+    ratios = peak_ratios(rows)
+    if ratios:
+        table.notes.append("ddpkit/torch peak: " + ", ".join(
+            f"{model} {'view' if view else 'no view'} {ratio:.2f}" for (model, view), ratio in ratios.items()))
     return table
+
+
+def peak_ratios(rows: list[dict]) -> dict[tuple[str, bool], float]:
+    """ddpkit's peak over torch's, per (model, gradient_as_bucket_view)."""
+    by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r["peak_bytes"] for r in rows}
+    return {(model, view): by[(model, "ddpkit", view)] / max(1, by[(model, "torch", view)])
+            for model, impl, view in by if impl == "ddpkit" and (model, "torch", view) in by}

@@ -16,15 +16,17 @@ def plot_results(results: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plotting needs matplotlib. HINT: pip install 'ddpkit[plot]'.") from e
-    panels = [k for k in ("collectives", "ddp_step") if results.get(k)]
+    panels = [k for k in ("collectives", "ddp_step", "ratios", "memory") if results.get(k)
+              or (k == "ratios" and results.get("ddp_step", {}).get("ratios"))]
     if not panels:
-        raise ValueError("nothing to plot: run the collectives or ddp tables.")
+        raise ValueError("nothing to plot: run the collectives, ddp or memory tables.")
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    draw = {"collectives": lambda ax: _plot_bandwidth(ax, results["collectives"], results["meta"]),
+            "ddp_step": lambda ax: _plot_steps(ax, results["ddp_step"]["rows"], results["meta"]),
+            "ratios": lambda ax: _plot_ratios(ax, results["ddp_step"]["ratios"], results["meta"]),
+            "memory": lambda ax: _plot_memory(ax, results["memory"], results["meta"])}
     for ax, panel in zip(axes[0], panels):
-        if panel == "collectives":
-            _plot_bandwidth(ax, results["collectives"], results["meta"])
-        else:
-            _plot_steps(ax, results["ddp_step"]["rows"], results["meta"])
+        draw[panel](ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -61,4 +63,37 @@ def _plot_steps(ax, rows: list[dict], meta: dict) -> None:
     ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(models))], models)
     ax.set_ylabel("step time (ms), median and IQR")
     ax.set_title(f"DDP step, {meta['world_size']} ranks, {meta['backend']}")
+    ax.legend()
+
+
+def _plot_ratios(ax, ratios: dict, meta: dict) -> None:
+    """ddpkit/torch and ddpkit/floor per model: medians of the rounds' ratios, quartiles as bars."""
+    models = list(ratios)
+    for j, pair in enumerate(("ddpkit/torch", "ddpkit/floor", "torch/floor")):
+        xs = [i + j * 0.27 for i, m in enumerate(models) if ratios[m].get(pair) is not None]
+        got = [ratios[m] for m in models if ratios[m].get(pair) is not None]
+        heights = [r[pair] for r in got]
+        errs = [[r[pair] - r[f"{pair} q1"] for r in got], [r[f"{pair} q3"] - r[pair] for r in got]]
+        ax.bar(xs, heights, 0.27, yerr=errs, capsize=3, label=pair, color=f"C{j}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.27 for i in range(len(models))], models, rotation=30)
+    ax.set_ylim(0.6, 1.4)
+    ax.set_ylabel("step-time ratio, median and quartiles")
+    ax.set_title(f"ratios, {meta['world_size']} ranks")
+    ax.legend()
+
+
+def _plot_memory(ax, rows: list[dict], meta: dict) -> None:
+    """Peak memory above the start, per model, for each DDP with and without bucket views."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    series = [(impl, view) for impl in ("ddpkit", "torch") for view in (False, True)]
+    width = 0.8 / len(series)
+    for j, (impl, view) in enumerate(series):
+        by = {r["model"]: r["peak_bytes"] for r in rows if r["impl"] == impl and r["gradient_as_bucket_view"] == view}
+        xs = [i + j * width for i, m in enumerate(models) if m in by]
+        ax.bar(xs, [by[m] / 2**20 for m in models if m in by], width, color=f"C{j}",
+               label=f"{impl}, {'view' if view else 'no view'}")
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(models))], models, rotation=30)
+    ax.set_ylabel("peak memory delta (MiB)")
+    ax.set_title(f"memory, {meta['world_size']} ranks")
     ax.legend()

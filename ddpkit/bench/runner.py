@@ -27,7 +27,8 @@ class BenchConfig:
     repeats: int = 40
     coll_repeats: int = 20
     steps: int = 3
-    models: tuple[str, ...] = ("large", "small")
+    models: tuple[str, ...] = ("large", "mlp34", "small", "transformer", "convbn", "embedding")
+    bucket_models: tuple[str, ...] = ("large",)
     tables: tuple[str, ...] = TABLES
     max_bytes: int | None = None
     threads: int = 1
@@ -87,7 +88,7 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
 
     world_size = dist.get_world_size()
     backend = dist.get_backend()
-    describe = {m: get_spec(m).describe(config.quick) for m in config.models}
+    describe = {m: get_spec(m).describe(config.quick) for m in dict.fromkeys(config.models + config.bucket_models)}
     results: dict = {"meta": _meta(config, world_size, backend, device, describe)}
     _print(_header(results["meta"]))
     if "collectives" in config.tables:
@@ -101,13 +102,15 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
         results["ddp_step"] = {"rows": rows, "ratios": ddp_step.ratios(rows)}
         _print(ddp_step.ddp_step_table(rows, world_size, config.steps, describe).render())
     if "buckets" in config.tables:
-        rows = buckets.run_buckets(list(config.models), config.quick, max(3, config.repeats // 2),
+        rows = buckets.run_buckets(list(config.bucket_models), config.quick, max(3, config.repeats // 2),
                                    config.steps, device)
         results["buckets"] = rows
         _print(buckets.buckets_table(rows, world_size).render())
     if "memory" in config.tables:
         rows = memory.run_memory(list(config.models), config.quick, device)
         results["memory"] = rows
+        results["memory_peak_ratios"] = [{"model": m, "gradient_as_bucket_view": v, "ddpkit/torch": r}
+                                         for (m, v), r in memory.peak_ratios(rows).items()]
         _print(memory.memory_table(rows, world_size).render())
     if "profile" in config.tables:
         from ddpkit.bench import profile
@@ -116,6 +119,10 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
                                      config.repeats * config.steps, device)
         results["profile"] = result
         _print(profile.profile_table(result, world_size))
+        from ddpkit.bench import threads
+
+        results["threads"] = threads.run_threads(list(config.models), config.quick, max(3, config.steps * 3), device)
+        _print(threads.threads_table(results["threads"], world_size).render())
     return results
 
 

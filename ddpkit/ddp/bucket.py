@@ -12,7 +12,8 @@ import torch
 
 from ddpkit.errors import CommHookError, explain
 
-__all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL"]
+__all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
+           "BIG_PARAM_NUMEL"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
@@ -75,6 +76,16 @@ def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None
             slot.copy_(grad)
         else:
             torch.mul(grad, scale, out=slot)
+
+
+def move_in(param: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor) -> None:
+    """``gradient_as_bucket_view``: a gradient autograd allocated is copied into its slot, which
+    becomes ``param.grad``, as soon as it is ready, as torch's reducer does; held until the bucket
+    launched, the fresh gradients and the buckets were both alive, one gradient set more at the peak."""
+    if grad is not slot:
+        with torch.no_grad():
+            slot.copy_(grad)
+        param.grad = slot
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -195,6 +206,8 @@ class Bucket(GradBucketBasics):
             for p, g, v in zip(self.params, grads, views):
                 if g is not None and g is not v:
                     p.grad = v
+            # what write_back needs: which were missing; the fresh gradients themselves can go now
+            self.grads = [None if g is None else v for g, v in zip(grads, views)]
 
     def write_back(self, as_view: bool, mask: Sequence[bool] | None) -> None:
         """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""

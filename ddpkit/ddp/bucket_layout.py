@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.bucket import Bucket, assign_buckets
+from ddpkit.ddp.inplace_bucket import InPlaceBucket
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.ddp.sparse_bucket import SparseBucket
 
@@ -33,11 +34,14 @@ class BucketLayout:
             the buckets torch would).
         sparse: per parameter, its name if its gradients are sparse (a ``SparseBucket`` of its own,
             which names it in errors), else None.
+        in_place_bytes: a CPU gradient of this many bytes or more is reduced where it lies, in an
+            ``InPlaceBucket`` of its own, wherever the layout is ddpkit's own (no comm hook, no
+            ``as_view``, no ``cap_list``); 0: never. See Note [Big gradients in place].
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
-                 like_torch: bool = False, sparse: Sequence[str | None] = ()):
+                 like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int = 0):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
@@ -45,6 +49,12 @@ class BucketLayout:
         self.bucket_type = bucket_type
         self.sparse_names = list(sparse)
         self.sparse = [name is not None for name in sparse] if any(name is not None for name in sparse) else []
+        free = in_place_bytes > 0 and not (as_view or like_torch or cap_list)
+        self.in_place = [free and p.device.type == "cpu" and not (self.sparse and self.sparse[i])
+                         and p.numel() * p.element_size() >= in_place_bytes for i, p in enumerate(self.params)]
+        if not any(self.in_place):
+            self.in_place = []
+        self._alone: list[bool] = []  # in place in the buckets built last (none in torch's layout)
         self._rebuild_planned = rebuild  # torch fixes its first buckets at construction
         self.rebuilt = not rebuild
         # the order gradients became ready in, recorded while a rebuild is to come
@@ -54,12 +64,17 @@ class BucketLayout:
 
     def build_initial(self, hooked: bool) -> None:
         """The buckets before the rebuild; ``hooked``: a comm hook sees them, so torch's."""
+        self._alone = [] if hooked else self.in_place
         self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked or self.like_torch,
                                   rebuilt_later=self._rebuild_planned, cap_list=self.cap_list,
-                                  sparse=self.sparse))
+                                  sparse=self.sparse, alone=self._alone))
 
     def expect_rebuild(self) -> None:
-        """Rebuild after all (static_graph turned on late): record the order from now on."""
+        """Rebuild after all (static_graph turned on late): record the order from now on. No
+        gradient is reduced in place any more: static_graph's used map may leave one untouched."""
+        self.in_place = []
+        if self._alone:
+            self.build_initial(hooked=False)
         self.rebuilt, self.record = False, []
 
     def rebuild_order(self) -> list[int]:
@@ -72,15 +87,19 @@ class BucketLayout:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        self._alone = [] if hooked else self.in_place
         self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
-                                  hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse))
+                                  hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,
+                                  alone=self._alone))
         self.rebuilt, self.record = True, None
 
     def build(self, groups: list[list[int]]) -> None:
         """(Re)create the buckets, in launch order; the last one carries the status flag."""
         params, last = self.params, len(groups) - 1
         self.buckets = []  # the old buffers go before the new ones are allocated, as in torch
-        kinds = [SparseBucket if self.sparse and self.sparse[idx[0]] else self.bucket_type for idx in groups]
+        kinds = [SparseBucket if self.sparse and self.sparse[idx[0]] else
+                 InPlaceBucket if self._alone and self._alone[idx[0]] and k != last else  # the last holds the flag
+                 self.bucket_type for k, idx in enumerate(groups)]
         self.buckets = [kind(k, [params[i] for i in idx], idx, k == last, extra=int(k == last))
                         for k, (kind, idx) in enumerate(zip(kinds, groups))]
         self.bucket_of = [0] * len(params)
@@ -91,7 +110,7 @@ class BucketLayout:
                 b.name = self.sparse_names[b.param_indices[0]]
         self.counts = [len(b.params) for b in self.buckets]
         # a big gradient is scaled into its slot by its own hook, while still in cache; with
-        # gradient_as_bucket_view it is already there. See Note [Big gradients] in docs/design.md
+        # gradient_as_bucket_view it is there already, or moves there. See Note [Big gradients]
         self.big_slot: list[torch.Tensor | None] = [None] * len(params)
         if self.as_view:  # gradients that exist move into the buckets, as torch does
             with torch.no_grad():
@@ -100,10 +119,9 @@ class BucketLayout:
                         if p.grad is not None and p.grad is not v:
                             v.copy_(p.grad)
                             p.grad = v
-        else:
-            for b in self.buckets:
-                for i, v in zip(b.param_indices[: b.num_big], b.views):
-                    self.big_slot[i] = v
+        for b in self.buckets:  # with as_view, any gradient autograd allocated moves in by its hook
+            for i, v in zip(b.param_indices if self.as_view else b.param_indices[: b.num_big], b.views):
+                self.big_slot[i] = v
 
     def write_back(self, mask: Sequence[bool] | None) -> None:
         """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
@@ -122,8 +140,8 @@ class BucketLayout:
 
 
 def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
-                   rebuilt_later: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = ()
-                   ) -> list[list[int]]:
+                   rebuilt_later: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
+                   alone: Sequence[bool] = ()) -> list[list[int]]:
     """The buckets before the rebuild, each listing its parameters in registration order.
 
     Without a comm hook: filled in reverse registration order (the expected order of gradients),
@@ -131,14 +149,16 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
     must see: one bucket per device and dtype until the rebuild, or, when no rebuild comes
     (find_unused_parameters), groups formed in registration order and launched last first.
     With ``cap_list`` (torch's ``bucket_cap_mb_list``), torch's own always: those caps in
-    registration order, launched last first. ``sparse``: see ``assign_buckets``.
+    registration order, launched last first. ``sparse``: see ``assign_buckets``. ``alone[i]``:
+    parameter ``i`` is reduced in place, so a bucket of its own, and the buckets go in the order
+    they close (see ``_alone``); only without a hook.
     """
     registration = list(range(len(params)))
     if cap_list:
         return assign_buckets(params, registration, cap, caps=cap_list, sparse=sparse)[::-1]
     if not hooked:
         groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked),
-                                sparse=sparse)
+                                sparse=_alone(sparse, alone), in_closing_order=any(alone))
         return [sorted(indices) for indices in groups]
     if rebuilt_later:
         return assign_buckets(params, registration, sys.maxsize, sys.maxsize, sparse=sparse)[::-1]
@@ -146,13 +166,23 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
 
 
 def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: int, first_cap: int,
-                   *, hooked: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = ()) -> list[list[int]]:
+                   *, hooked: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
+                   alone: Sequence[bool] = ()) -> list[list[int]]:
     """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
     ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds. With sparse gradients,
     in torch's rebuilt order: a sparse bucket goes where its gradient arrived, before a bucket
-    still filling."""
+    still filling. ``alone``: see ``initial_groups``."""
     return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list,
-                          sparse=sparse, in_closing_order=any(sparse))
+                          sparse=_alone(sparse, alone), in_closing_order=any(sparse) or any(alone))
+
+
+def _alone(sparse: Sequence[bool], in_place: Sequence[bool]) -> Sequence[bool]:
+    """Which parameters get a bucket of their own. A gradient reduced in place is launched as soon
+    as it is ready, so the buckets go in the order they close: one of them sorted by its first
+    parameter would hold back the in-place ones that arrive before it fills."""
+    if not in_place:
+        return sparse
+    return [bool(sparse and sparse[i]) or own for i, own in enumerate(in_place)]
 
 
 def _first_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool) -> int:

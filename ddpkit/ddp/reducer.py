@@ -19,23 +19,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import (
     gradient_accumulator,
     outside_backward_python_context,
     queue_end_of_backward_callback,
 )
-from ddpkit.ddp.bucket import Bucket, copy_in
+from ddpkit.ddp.bucket import Bucket, copy_in, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
-from ddpkit.ddp.errors import (
-    late_gradient_warning,
-    late_static_graph_error,
-    second_gradient_error,
-    stale_output_error,
-    static_graph_changed_error,
-    unfinished_backward_error,
-    warn_at_user_code,
-)
+from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.profiling import bucket_range, profiled
 from ddpkit.ddp.usage import ParameterUsage
@@ -50,13 +43,15 @@ class Reducer:
     """Average the gradients of ``params`` (named ``names``) over ``process_group`` during backward.
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
-    options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets."""
+    options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
+    ``in_place_bytes``: see Note [Big gradients in place] (0: never)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
-                 cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = ()):
+                 cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
+                 in_place_bytes: int = IN_PLACE_BYTES):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -71,7 +66,9 @@ class Reducer:
         # rebuilt once, in the order gradients arrived; as torch, not where it may change (find_unused)
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
-                                   bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused)
+                                   bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
+                                   # not where a used map may leave a .grad alone
+                                   in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes)
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
@@ -101,7 +98,7 @@ class Reducer:
     def set_static_graph(self) -> None:
         """Turn static_graph on before the first forward."""
         if self.forwards:
-            raise late_static_graph_error(self.rank, self.forwards)
+            raise errors.late_static_graph_error(self.rank, self.forwards)
         self.usage.static_graph = True
         self.layout.expect_rebuild()
         self._renew()
@@ -123,7 +120,7 @@ class Reducer:
         if it.phase is Phase.REDUCING:  # its collectives finish before the buckets fill again
             self.collectives.drain(it.works)
             self._end_iteration(it, Phase.IDLE, counted=False)
-            raise unfinished_backward_error(self.rank)
+            raise errors.unfinished_backward_error(self.rank)
         it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
 
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
@@ -141,7 +138,7 @@ class Reducer:
 
         def check(grad: torch.Tensor) -> None:
             if forward < self._iteration.window_start:
-                raise stale_output_error(self.rank, forward, self.forwards)
+                raise errors.stale_output_error(self.rank, forward, self.forwards)
             if self._iteration.reach_output():
                 queue_end_of_backward_callback(self.finalize_backward)
         return check
@@ -164,7 +161,7 @@ class Reducer:
             if phase is _FINALIZED:  # torch's DDP leaves such a gradient local too; it says nothing
                 if not it.late_warned:
                     it.late_warned = True
-                    warn_at_user_code(late_gradient_warning(self.rank, self.names[index]))
+                    errors.warn_at_user_code(errors.late_gradient_warning(self.rank, self.names[index]))
                 return
             self._begin_reducing(it)  # the first gradient of this backward
         if it.counting:
@@ -173,18 +170,20 @@ class Reducer:
         left = it.hooks_left
         if left is not None:
             if not left[index]:
-                raise static_graph_changed_error(self.rank, self.names[index], self.usage.hook_counts[index])
+                raise errors.static_graph_changed_error(self.rank, self.names[index], self.usage.hook_counts[index])
             left[index] -= 1
             if left[index]:  # more reentrant backwards will add to this gradient
                 return
         ready = it.ready
         if ready[index]:
-            raise second_gradient_error(self.rank, self.names[index], it.used[index])
+            raise errors.second_gradient_error(self.rank, self.names[index], it.used[index])
         ready[index] = True
         slot = it.big_slot[index]
         if slot is not None and self._join_work is None:  # else at _launch, once the scale is known
             grad = self.params[index].grad
-            if grad is not None:
+            if grad is not None and self.as_view:  # the first time, it becomes its view (scaled at launch)
+                move_in(self.params[index], grad, slot)
+            elif grad is not None:
                 copy_in(grad, slot, it.scale if self.collectives.comm_hook is None else None)
                 it.copied[index] = True
         record = it.record

@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
-from ddpkit.bench.cli import parse_args
+from ddpkit.bench.cli import parse_all, parse_args
 from ddpkit.bench.collectives import alg_bandwidth, bus_bandwidth, message_sizes, repeats_for
-from ddpkit.bench.ddp_step import ratios
+from ddpkit.bench.ddp_step import ddp_step_table, ratios
+from ddpkit.bench.memory import peak_ratios
+from ddpkit.bench.models import FAMILY
 from ddpkit.bench.report import Table, fmt_bytes, quantile, summarize
 
 TABLE_HEADERS = [
@@ -30,7 +32,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "out.json"
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--backend", "gloo",
                            "--json", str(out)],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
     return proc, out
 
 
@@ -61,11 +63,11 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
 
     rows = data["ddp_step"]["rows"]
     assert {(r["model"], r["variant"]) for r in rows} == {
-        (m, v) for m in ("large", "small") for v in ("local", "ddpkit", "torch", "floor")}
+        (m, v) for m in FAMILY for v in ("local", "ddpkit", "torch", "floor")}
     for r in rows:
-        if r["available"]:
-            assert 0 < r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
-    assert set(data["ddp_step"]["ratios"]) == {"large", "small"}
+        assert r["available"], r.get("reason")  # every member trains with both DDPs
+        assert 0 < r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
+    assert set(data["ddp_step"]["ratios"]) == set(FAMILY)
     for figures in data["ddp_step"]["ratios"].values():
         for pair in ("ddpkit/torch", "ddpkit/floor", "torch/floor", "ddpkit/torch cpu"):
             assert 0 < figures[f"{pair} q1"] <= figures[pair] <= figures[f"{pair} q3"]
@@ -74,7 +76,10 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
         assert r["median"] > 0
         if r["impl"] == "ddpkit":
             assert r["allreduce_bytes"] > 0
+    assert {(r["model"], r["gradient_as_bucket_view"]) for r in data["memory_peak_ratios"]} == {
+        (m, v) for m in FAMILY for v in (False, True)}
     for r in data["memory"]:
+        assert r["peak_bytes"] > 0
         assert r["param_bytes"] > 0 and r["grad_bytes"] > 0 and r["accounted_bytes"] > 0
         assert r["accounted_bytes"] <= r["grad_bytes"] + r["bucket_bytes"]
 
@@ -85,8 +90,11 @@ def test_gradient_as_bucket_view_saves_the_grad_copy(quick_run):
     by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r for r in data["memory"]}
     for (model, impl, view), r in by.items():
         if view:
-            # grads alias the buckets: accounted bytes are one copy, not two
-            assert r["accounted_bytes"] < by[(model, impl, False)]["accounted_bytes"]
+            # grads alias the buckets: accounted bytes are one copy, not two (or, for ddpkit's
+            # gradients reduced where they lie, never two: Note [Big gradients in place])
+            assert r["accounted_bytes"] <= by[(model, impl, False)]["accounted_bytes"]
+            if impl == "torch":
+                assert r["accounted_bytes"] < by[(model, impl, False)]["accounted_bytes"]
 
 
 def test_a_ratio_is_the_median_of_the_rounds_own_ratios():
@@ -165,13 +173,37 @@ def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_nproc_takes_a_list_of_world_sizes_one_run_and_one_json_each(tmp_path):
+    configs = parse_all(["--nproc", "2,3", "--models", "mlp34,embedding", "--json", str(tmp_path / "o.json")])
+    assert [c.nproc for c in configs] == [2, 3]
+    assert [c.json_path for c in configs] == [str(tmp_path / "o.n2.json"), str(tmp_path / "o.n3.json")]
+    assert all(c.models == ("mlp34", "embedding") for c in configs)
+    assert parse_all([])[0].models == FAMILY and parse_all([])[0].nproc == 2
+
+
+def test_a_variant_that_could_not_be_built_is_unavailable_with_its_reason():
+    stats = {"median": 0.01, "q1": 0.01, "q3": 0.01, "min": 0.01, "max": 0.01, "n": 1, "cpu_median": 0.01,
+             "times": [0.01], "cpu_times": [0.01]}
+    rows = [{"model": "m", "variant": v, "available": v != "torch", **(stats if v != "torch" else
+            {"reason": "RuntimeError: refused"})} for v in ("local", "ddpkit", "torch", "floor")]
+    text = ddp_step_table(rows, 2, 3, {"m": "a model"}).render()
+    assert "n/a: m torch: RuntimeError: refused" in text and "ddpkit/torch = n/a" in text
+
+
+def test_peak_ratios_pair_each_ddpkit_figure_with_torchs():
+    rows = [{"model": "m", "impl": impl, "gradient_as_bucket_view": view, "peak_bytes": peak}
+            for impl, view, peak in (("ddpkit", False, 50), ("torch", False, 100), ("ddpkit", True, 80),
+                                     ("torch", True, 80))]
+    assert peak_ratios(rows) == {("m", False): 0.5, ("m", True): 1.0}
+
+
 def test_table_numbers_select_tables():
     config = parse_args(["--tables", "1,ddp", "--quick"])
     assert config.tables == ("collectives", "ddp")
     assert config.repeats == 3 and config.steps == 2
 
 
-def test_plot_draws_both_panels(tmp_path):
+def test_plot_draws_every_panel(tmp_path):
     pytest.importorskip("matplotlib")
     from ddpkit.bench.plot import plot_results
 
@@ -180,7 +212,12 @@ def test_plot_draws_both_panels(tmp_path):
         "meta": {"world_size": 2, "backend": "gloo"},
         "collectives": [{"op": "all_reduce", "bytes": b, "busbw": b * 1e3} for b in (4096, 16384)],
         "ddp_step": {"rows": [{"model": "large", "variant": v, "available": v != "ddpkit", **stats}
-                              for v in ("local", "ddpkit", "torch", "floor")]},
+                              for v in ("local", "ddpkit", "torch", "floor")],
+                     "ratios": {"large": {"ddpkit/torch": 0.9, "ddpkit/torch q1": 0.8, "ddpkit/torch q3": 1.0,
+                                          "ddpkit/floor": None, "torch/floor": 1.0, "torch/floor q1": 0.9,
+                                          "torch/floor q3": 1.1}}},
+        "memory": [{"model": "large", "impl": impl, "gradient_as_bucket_view": view, "peak_bytes": 2**20}
+                   for impl in ("ddpkit", "torch") for view in (False, True)],
     }
     path = tmp_path / "bench.png"
     plot_results(results, str(path))

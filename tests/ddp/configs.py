@@ -22,6 +22,8 @@ class Config:
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # both DDPs' constructor arguments
     torch_kwargs: dict[str, Any] | None = field(default=None, hash=False)  # torch's, where they differ
     split_bytes: int | None = None  # ddpkit's Gloo split size (see Note [Gloo halves] in docs/design.md)
+    # from this size on ddpkit reduces a gradient where it lies (see Note [Big gradients in place])
+    in_place_bytes: int | None = None
     set_static_graph: bool = False  # call the private _set_static_graph() after construction
     hook: str | None = None  # a comm hook, by name (test_ddp._hook)
     user_hook: str | None = None  # a post-accumulate-grad hook: "double", "replace" or "drop"
@@ -191,6 +193,38 @@ CONFIGS: tuple[Config, ...] = (
     Config("batched_grad_copy", kwargs={"batched_grad_copy": True}),
     Config("batched_grad_copy_wide_bucket_view", model="wide", steps=3,
            kwargs={"batched_grad_copy": True, "gradient_as_bucket_view": True}),
+    # big gradients reduced where they lie (real models: from 2 MiB; here from a few hundred bytes)
+    Config("in_place", in_place_bytes=256),
+    Config("in_place_wide", model="wide", steps=3, in_place_bytes=4096),
+    Config("in_place_tiny_buckets", in_place_bytes=256, kwargs={"bucket_cap_mb": 0.0002}),
+    Config("in_place_one_bucket_per_parameter", in_place_bytes=256, kwargs={"bucket_cap_mb": 0}),
+    Config("in_place_halves", in_place_bytes=256, split_bytes=256),
+    Config("in_place_zeroed", in_place_bytes=256, set_to_none=False),
+    Config("in_place_no_sync", in_place_bytes=256, accumulate="no_sync", steps=6),
+    Config("in_place_attribute_accumulation", in_place_bytes=256, accumulate="attribute", steps=6,
+           set_to_none=False),
+    Config("in_place_user_hook_in_place", model="wide", steps=3, user_hook="double", in_place_bytes=4096),
+    Config("in_place_user_hook_replaces_grad", model="wide", steps=3, user_hook="replace", in_place_bytes=4096),
+    Config("in_place_user_hook_drops_grad", model="wide", steps=3, user_hook="drop", in_place_bytes=4096),
+    Config("in_place_join", in_place_bytes=256, uneven=True),
+    Config("in_place_join_halves", model="wide", in_place_bytes=4096, split_bytes=4096, uneven=True),
+    Config("in_place_join_divide_by_active_ranks", in_place_bytes=256, uneven=True,
+           join={"divide_by_initial_world_size": False}),
+    Config("in_place_channels_last", model="channels_last", in_place_bytes=64),
+    Config("in_place_complex", model="complex", in_place_bytes=64),
+    Config("in_place_batchnorm", model="bn", in_place_bytes=64),
+    Config("in_place_ignored_parameters", model="local_head", in_place_bytes=64),
+    Config("in_place_two_forwards", two_forwards={}, in_place_bytes=256),
+    Config("in_place_second_backward", second_backward=True, in_place_bytes=256),
+    Config("in_place_gradient_penalty", gradient_penalty=True, in_place_bytes=256),
+    Config("in_place_rebuilt_into_fewer_buckets", model="reordered", in_place_bytes=256,
+           kwargs={"bucket_cap_mb": 800 / 2**20}),
+    # where in place is never used: the same results as ever
+    Config("in_place_off_static_graph", in_place_bytes=256, kwargs={"static_graph": True}),
+    Config("in_place_off_set_static_graph", model="checkpointed_twice", in_place_bytes=256, set_static_graph=True),
+    Config("in_place_off_find_unused", model="unused", in_place_bytes=256, kwargs={"find_unused_parameters": True}),
+    Config("in_place_off_bucket_norm_hook", hook="bucket_norm", in_place_bytes=256),
+    Config("in_place_off_grad_as_bucket_view", in_place_bytes=256, kwargs={"gradient_as_bucket_view": True}),
 )
 
 _BY_NAME = {config.name: config for config in CONFIGS}
@@ -202,4 +236,4 @@ THREE_RANKS: tuple[Config, ...] = tuple(_BY_NAME[name] for name in (
     "batchnorm_broadcast", "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook",
     "grad_as_bucket_view", "wide_join_divide_by_active_ranks", "join_unused_user_joins_first",
     "bucket_halves_join", "sparse_embedding", "sparse_embedding_find_unused", "sparse_embedding_no_sync",
-    "sparse_embedding_join"))
+    "sparse_embedding_join", "in_place", "in_place_join", "in_place_join_halves"))

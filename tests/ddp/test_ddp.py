@@ -280,11 +280,13 @@ def _train(kind: str, cfg: Config, rank: int) -> dict:
             model.head.weight.add_(rank)
             model.seen.fill_(10 * rank)
         cls._set_params_and_buffers_to_ignore_for_model(model, LocalHead.IGNORED)
-    if cfg.split_bytes is not None and kind == "ddpkit":  # halve smaller buckets than real models need
-        class SplitDDP(ddpkit.DistributedDataParallel):
-            _reducer_options = {"split_bytes": cfg.split_bytes}
+    options = {name: value for name, value in (("split_bytes", cfg.split_bytes), ("in_place_bytes", cfg.in_place_bytes))
+               if value is not None}
+    if options and kind == "ddpkit":  # halves and in-place gradients at smaller sizes than real models need
+        class SmallSizesDDP(ddpkit.DistributedDataParallel):
+            _reducer_options = options
 
-        cls = SplitDDP
+        cls = SmallSizesDDP
     ddp = cls(model, **kwargs)
     if cfg.set_static_graph:  # torch's own error messages recommend this private call
         ddp._set_static_graph()

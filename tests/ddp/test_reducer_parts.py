@@ -194,14 +194,30 @@ def test_the_layout_maps_each_parameter_to_its_bucket_and_flags_the_last_one():
     assert layout.counts == [len(g) for g in groups] and layout.buckets[-1].is_last()
 
 
-def test_a_big_gradient_gets_a_slot_in_its_bucket_unless_gradients_are_bucket_views():
+def test_a_big_gradient_gets_a_slot_in_its_bucket_and_with_bucket_views_every_gradient_does():
     sizes = (3, BIG_PARAM_NUMEL)
     layout = _layout(*sizes, cap=1 << 20)
     bucket = layout.buckets[0]
     assert layout.big_slot[0] is None
     slot = layout.big_slot[1]
     assert slot.shape == (BIG_PARAM_NUMEL,) and slot.data_ptr() == bucket.views[0].data_ptr()
-    assert _layout(*sizes, cap=1 << 20, as_view=True).big_slot == [None, None]
+    # with views, a gradient autograd allocated moves into its view as soon as it is ready
+    viewed = _layout(*sizes, cap=1 << 20, as_view=True)
+    bucket = viewed.buckets[0]
+    assert [viewed.big_slot[i] for i in bucket.param_indices] == bucket.views
+
+
+def test_with_bucket_views_a_fresh_gradient_becomes_its_view_and_is_freed_at_once():
+    import weakref
+
+    from ddpkit.ddp.bucket import move_in
+
+    layout = _layout(3, BIG_PARAM_NUMEL, cap=1 << 20, as_view=True)
+    param, slot = layout.params[1], layout.big_slot[1]
+    param.grad = torch.full((BIG_PARAM_NUMEL,), 2.0)
+    fresh = weakref.ref(param.grad)
+    move_in(param, param.grad, slot)
+    assert param.grad is slot and slot.eq(2.0).all() and fresh() is None
 
 
 def test_with_gradient_as_bucket_view_existing_gradients_move_into_the_buckets():
@@ -260,3 +276,4 @@ def test_the_buckets_are_of_the_type_the_layout_is_given():
 
     layout = BucketLayout(_params(1, 2), 16, 16, as_view=False, rebuild=True, bucket_type=Tagged)
     assert layout.buckets and all(type(b) is Tagged for b in layout.buckets)
+
