@@ -80,6 +80,24 @@ class GroupLog:
         self.name, self.ranks, self.default = name, ranks, default
         self.seq = 0
         self.ring: collections.deque[Record] = collections.deque(maxlen=_RING)
+        # async records still holding their Work, oldest first: a Work keeps its tensors alive, so
+        # the ring must not hold one past its completion (with zero_grad(set_to_none=True), 64 of
+        # them kept old gradients and made every backward allocate afresh: +7% on a DDP step)
+        self.pending: collections.deque[Record] = collections.deque()
+
+    def settle(self, now: float) -> None:
+        """Let go of the Works at the head of ``pending`` that have completed (cheap: usually one
+        ``is_completed()`` call per collective)."""
+        pending = self.pending
+        while pending:
+            record = pending[0]
+            work = record.work
+            if work and not work.is_completed():
+                return
+            pending.popleft()
+            if record.end is None:
+                record.end = now
+            record.work = False  # False: it was async, and has completed
 
     def snapshot(self, now: float, recent: int = 16) -> dict[str, Any]:
         records = list(self.ring)
@@ -147,6 +165,8 @@ class Recorder:
                     if root_at is not None and len(args) > root_at else None)
             site, via = call_site()
             record = Record(log.seq, op, tensor, root, site, via)
+            if log.pending:
+                log.settle(record.start)
             log.ring.append(record)
             if self.before is not None:
                 try:
@@ -168,6 +188,7 @@ class Recorder:
             async_op = kwargs["async_op"] if "async_op" in kwargs else len(args) > async_at and args[async_at]
             if async_op and result is not None:
                 record.work = result
+                log.pending.append(record)
             else:
                 record.end = time.monotonic()
             return result
@@ -205,6 +226,7 @@ class Recorder:
                 work = record.work
                 if work and record.end is None and work.is_completed():
                     record.end, record.work = now, False  # False: it was async, and has completed
+            log.settle(now)
 
     def blame_async(self, error: BaseException) -> None:
         """An async collective's failure surfaced in ``Work.wait()``, past the wrapper: pin it on the

@@ -1,0 +1,25 @@
+"""The recorder lets go of a finished async collective's Work: a Work keeps its tensors alive."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+
+from ddpkit.runtime import process_group
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _works_held_after_many_async_collectives() -> tuple[int, int]:
+    for _ in range(40):  # fresh tensors each time, as gradients with zero_grad(set_to_none=True)
+        dist.all_reduce(torch.ones(1000), async_op=True).wait()
+    dist.all_reduce(torch.ones(1))  # the next collective settles the finished ones before it
+    [log] = process_group._watch[0].recorder.groups()  # the default group only
+    return sum(1 for r in log.ring if r.work), log.seq
+
+
+def test_finished_async_works_are_not_kept_in_the_ring():
+    for held, seq in run_ranks(_works_held_after_many_async_collectives, 2):
+        assert seq == 41
+        assert held == 0
