@@ -87,7 +87,8 @@ class GroupLog:
 
     def settle(self, now: float) -> None:
         """Let go of the Works at the head of ``pending`` that have completed (cheap: usually one
-        ``is_completed()`` call per collective)."""
+        ``is_completed()`` call per collective). Called by the thread issuing collectives only; the
+        watchdog's ``poll_works`` marks records ended but leaves ``pending`` to it."""
         pending = self.pending
         while pending:
             record = pending[0]
@@ -226,7 +227,6 @@ class Recorder:
                 work = record.work
                 if work and record.end is None and work.is_completed():
                     record.end, record.work = now, False  # False: it was async, and has completed
-            log.settle(now)
 
     def blame_async(self, error: BaseException) -> None:
         """An async collective's failure surfaced in ``Work.wait()``, past the wrapper: pin it on the
