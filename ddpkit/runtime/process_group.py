@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
 from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
+from ddpkit.runtime.environments.threads import thread_share
 from ddpkit.runtime.rendezvous import rendezvous
 
 __all__ = [
@@ -93,6 +94,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         env = detect(os.environ)
         backend = _choose_backend(backend or os.environ.get("DDPKIT_BACKEND") or None)
         device = _choose_device(backend, env)
+        _take_share_of_cores(env)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if env.world_size == 1:
@@ -209,6 +211,14 @@ def _check_same_backend(backend: str | None) -> None:
         raise ValueError(explain(
             f"ddpkit.init(backend={backend!r}) but this process already joined with backend {current!r}.",
             "call ddpkit.shutdown() first to change the backend."))
+
+
+def _take_share_of_cores(env: DistEnv) -> None:
+    """Under srun/mpirun, unless OMP_NUM_THREADS is set: torch threads = cores // local ranks."""
+    threads = thread_share(env.launcher, env.local_world_size, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # for the processes this rank starts
 
 
 def _choose_device(backend: str, env: DistEnv) -> torch.device:

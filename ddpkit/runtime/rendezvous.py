@@ -16,29 +16,19 @@ import time
 from datetime import timedelta
 from typing import Mapping
 
-import torch
 import torch.distributed as dist
 
 from ddpkit.errors import RendezvousError, explain
 from ddpkit.runtime.environments.dist_env import DistEnv
 from ddpkit.runtime.environments.job import job_id
-from ddpkit.runtime.environments.threads import thread_share
 from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
 from ddpkit.runtime.port_holder import describe_holder
 
-__all__ = ["rendezvous", "take_share_of_cores"]
+__all__ = ["rendezvous"]
 
 # how many groups this process has joined, so that an init() after shutdown() meets on fresh keys
 _joined = [0]
 _POLL = (0.002, 0.1)  # seconds between checks while waiting: from quick to patient
-
-
-def take_share_of_cores(env: DistEnv, environ: Mapping[str, str]) -> None:
-    """Under srun/mpirun, unless OMP_NUM_THREADS is set: torch threads = cores // local ranks."""
-    threads = thread_share(env.launcher, env.local_world_size, environ)
-    if threads is not None:
-        torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # for the processes this rank starts
 
 
 def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | None = None) -> dist.Store:
@@ -52,7 +42,6 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
             arrived within ``timeout`` (a RuntimeError); the message says which, and the fix.
     """
     environ = os.environ if environ is None else environ
-    take_share_of_cores(env, environ)
     address = f"{env.master_addr}:{env.master_port}"
     deadline = time.monotonic() + timeout.total_seconds()
     agent_hosts_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -223,7 +223,7 @@ class Recorder:
         """Mark async collectives whose ``Work`` has completed as ended (and drop the Work)."""
         now = time.monotonic()
         for log in self.groups():
-            for record in list(log.ring):
+            for record in list(log.pending):  # the records that still hold a Work
                 work = record.work
                 if work and record.end is None and work.is_completed():
                     record.end, record.work = now, False  # False: it was async, and has completed
