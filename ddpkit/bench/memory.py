@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import re
+import statistics
 import threading
 from typing import Callable
 
@@ -179,10 +180,26 @@ def _measure(kind: str, model: str, quick: bool, device: torch.device, view: boo
             "peak_kind": sampler.kind}
 
 
-def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3) -> list[dict]:
-    """Every figure in fresh processes (see ``ddpkit.bench.fresh``): the same start for each."""
-    return [in_fresh_processes(_measure, kind, model, quick, device, view, steps)
-            for model in model_names for kind in ("ddpkit", "torch") for view in (False, True)]
+def run_memory(model_names: list[str], quick: bool, device: torch.device, steps: int = 3,
+               repeats: int = 3) -> list[dict]:
+    """Every figure in fresh processes (see ``ddpkit.bench.fresh``): the same start for each.
+
+    On CPU each figure is the median of ``repeats`` fresh runs, taken in rounds over all figures:
+    one run's peak moves by a few MiB with where the heap happened to place things (measured on
+    ``small``: ddpkit/torch from 0.97 to 1.16 between two runs of the same code)."""
+    figures = [(model, kind, view) for model in model_names for kind in ("ddpkit", "torch")
+               for view in (False, True)]
+    runs = 1 if device.type == "cuda" else max(1, repeats)
+    measured = [[in_fresh_processes(_measure, kind, model, quick, device, view, steps)
+                 for model, kind, view in figures] for _ in range(runs)]
+    rows = []
+    for i in range(len(figures)):
+        row = dict(measured[0][i])
+        for key in ("peak_bytes", "retained_bytes"):
+            row[key] = int(statistics.median(run[i][key] for run in measured))
+        row["peak_runs"] = [run[i]["peak_bytes"] for run in measured]
+        rows.append(row)
+    return rows
 
 
 def memory_table(rows: list[dict], world_size: int) -> Table:
@@ -197,6 +214,9 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
                   fmt_bytes(r["param_bytes"]), fmt_bytes(r["grad_bytes"]),
                   fmt_bytes(r["bucket_bytes"]), fmt_bytes(r["accounted_bytes"]),
                   fmt_bytes(r["peak_bytes"]), fmt_bytes(r["retained_bytes"]))
+    runs = len(rows[0].get("peak_runs", [0])) if rows else 1
+    if runs > 1:
+        table.notes.append(f"peak and retained: the median of {runs} runs, each in fresh processes.")
     table.notes.append("accounted: distinct storages behind .grad and bucket buffers (shared storage "
                        "counted once); peak delta: above the level before the model was built (the first "
                        "backward allocates fresh grads either way); retained: held after the steps.")

@@ -107,7 +107,7 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
         results["buckets"] = rows
         _print(buckets.buckets_table(rows, world_size).render())
     if "memory" in config.tables:
-        rows = memory.run_memory(list(config.models), config.quick, device)
+        rows = memory.run_memory(list(config.models), config.quick, device, repeats=1 if config.quick else 3)
         results["memory"] = rows
         results["memory_peak_ratios"] = [{"model": m, "gradient_as_bucket_view": v, "ddpkit/torch": r}
                                          for (m, v), r in memory.peak_ratios(rows).items()]

@@ -145,7 +145,8 @@ class Bucket(GradBucketBasics):
         params = self.params
         self.numel = sum(p.numel() for p in params)
         first = params[0]
-        self.flat = torch.zeros(self.numel + extra, dtype=first.dtype, device=first.device)
+        # empty, as torch's: pages are touched when the gradients first come in, not at construction
+        self.flat = torch.empty(self.numel + extra, dtype=first.dtype, device=first.device)
         # the bucket's own gradients, which the views point into; a comm hook may hand the
         # collective another buffer (set_buffer), whose result is copied back here
         self.grad_data = self.flat[: self.numel] if extra else self.flat
@@ -153,7 +154,7 @@ class Bucket(GradBucketBasics):
         self._hook_data = (torch.view_as_real(self.grad_data).view(-1) if self.grad_data.is_complex()
                            else self.grad_data)
         self._buffer = self._hook_data
-        self.flag = self.flat[self.numel:] if extra else None
+        self.flag = self.flat[self.numel:].zero_() if extra else None
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
@@ -229,8 +230,9 @@ class Bucket(GradBucketBasics):
         Built from the parameters in the order given, so a comm hook sees them as on active ranks.
         """
         given = [self.param_indices[pos] for pos in self._given_order]
-        return Bucket(self._index, self.parameters(), given, self._is_last,
-                      extra=self.flat.numel() - self.numel)
+        zeros = Bucket(self._index, self.parameters(), given, self._is_last, extra=self.flat.numel() - self.numel)
+        zeros.flat.zero_()
+        return zeros
 
     # ---- torch's GradBucket interface, for comm hooks ----
     def parameters(self) -> list[torch.Tensor]:

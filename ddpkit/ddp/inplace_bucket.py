@@ -78,7 +78,9 @@ class InPlaceBucket(GradBucketBasics):
 
     def zeros_like(self) -> Bucket:
         """What a joined rank contributes: zeros, in one collective of the same size."""
-        return Bucket(self._index, self.params, self.param_indices, self._is_last)
+        zeros = Bucket(self._index, self.params, self.param_indices, self._is_last)
+        zeros.flat.zero_()
+        return zeros
 
     # ---- torch's GradBucket interface (a comm hook never sees this bucket: its layout is torch's) ----
     def parameters(self) -> list[torch.Tensor]:

@@ -222,3 +222,26 @@ def test_plot_draws_every_panel(tmp_path):
     path = tmp_path / "bench.png"
     plot_results(results, str(path))
     assert path.stat().st_size > 0
+
+
+def test_memory_figures_are_medians_of_fresh_runs(monkeypatch):
+    """Each peak is the median over fresh runs, taken in rounds; every run's peak is kept."""
+    import torch
+
+    from ddpkit.bench import memory
+
+    peaks = iter([10, 40, 30, 20,  # round 1: ddpkit off/on, torch off/on
+                  50, 20, 10, 60,
+                  30, 30, 20, 40])
+
+    def fake(fn, kind, model, quick, device, view, steps):
+        return {"model": model, "impl": kind, "gradient_as_bucket_view": view, "peak_bytes": next(peaks),
+                "retained_bytes": 1, "peak_kind": "rss_hwm",
+                **dict.fromkeys(("param_bytes", "grad_bytes", "bucket_bytes", "accounted_bytes"), 1)}
+
+    monkeypatch.setattr(memory, "in_fresh_processes", fake)
+    rows = memory.run_memory(["small"], quick=False, device=torch.device("cpu"), repeats=3)
+    assert [r["peak_runs"] for r in rows] == [[10, 50, 30], [40, 20, 30], [30, 10, 20], [20, 60, 40]]
+    assert [r["peak_bytes"] for r in rows] == [30, 30, 20, 40]
+    assert peak_ratios(rows) == {("small", False): 1.5, ("small", True): 0.75}
+    assert "median of 3 runs" in memory.memory_table(rows, 2).render()
