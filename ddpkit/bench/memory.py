@@ -29,6 +29,7 @@ from ddpkit.bench.ddp_step import make_stepper
 from ddpkit.bench.fresh import in_fresh_processes
 from ddpkit.bench.report import Table, fmt_bytes
 from ddpkit.bench.sync import max_over_ranks
+from ddpkit.bench.tensor_peak import tensor_peak
 
 __all__ = ["run_memory", "memory_table", "peak_ratios", "PeakSampler"]
 
@@ -192,12 +193,16 @@ def run_memory(model_names: list[str], quick: bool, device: torch.device, steps:
     runs = 1 if device.type == "cuda" else max(1, repeats)
     measured = [[in_fresh_processes(_measure, kind, model, quick, device, view, steps)
                  for model, kind, view in figures] for _ in range(runs)]
+    # the tensors' own peak (CPU only: on CUDA the peak above is the allocator's already)
+    tensors = [None] * len(figures) if device.type == "cuda" else [
+        in_fresh_processes(tensor_peak, kind, model, quick, device, view, steps) for model, kind, view in figures]
     rows = []
     for i in range(len(figures)):
         row = dict(measured[0][i])
         for key in ("peak_bytes", "retained_bytes"):
             row[key] = int(statistics.median(run[i][key] for run in measured))
         row["peak_runs"] = [run[i]["peak_bytes"] for run in measured]
+        row["tensor_peak_bytes"] = tensors[i]
         rows.append(row)
     return rows
 
@@ -208,29 +213,37 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
     table = Table(f"4. Gradient memory, gradient_as_bucket_view off/on ({world_size} ranks; max over "
                   "ranks)",
                   ["model", "impl", "grad view", "params", "grads", "buckets", "accounted",
-                   f"{peak_name} delta", "retained"])
+                   f"{peak_name} delta", "retained", "tensor peak"])
     for r in rows:
+        tensors = r.get("tensor_peak_bytes")
         table.add(r["model"], r["impl"], "on" if r["gradient_as_bucket_view"] else "off",
                   fmt_bytes(r["param_bytes"]), fmt_bytes(r["grad_bytes"]),
                   fmt_bytes(r["bucket_bytes"]), fmt_bytes(r["accounted_bytes"]),
-                  fmt_bytes(r["peak_bytes"]), fmt_bytes(r["retained_bytes"]))
+                  fmt_bytes(r["peak_bytes"]), fmt_bytes(r["retained_bytes"]),
+                  "-" if tensors is None else fmt_bytes(tensors))
     runs = len(rows[0].get("peak_runs", [0])) if rows else 1
     if runs > 1:
         table.notes.append(f"peak and retained: the median of {runs} runs, each in fresh processes.")
     table.notes.append("accounted: distinct storages behind .grad and bucket buffers (shared storage "
                        "counted once); peak delta: above the level before the model was built (the first "
-                       "backward allocates fresh grads either way); retained: held after the steps.")
+                       "backward allocates fresh grads either way); retained: held after the steps; "
+                       "tensor peak: the most bytes held in tensors at once, from torch's allocator events "
+                       "(the profiler, a run of its own; CPU only), free of heap placement.")
     table.notes.append("steps use zero_grad(set_to_none=False); with set_to_none=True autograd "
                        "allocates fresh grads every backward and the peak does not drop with the view.")
     ratios = peak_ratios(rows)
     if ratios:
         table.notes.append("ddpkit/torch peak: " + ", ".join(
             f"{model} {'view' if view else 'no view'} {ratio:.2f}" for (model, view), ratio in ratios.items()))
+    tensor_ratios = peak_ratios(rows, "tensor_peak_bytes")
+    if tensor_ratios:
+        table.notes.append("ddpkit/torch tensor peak: " + ", ".join(
+            f"{model} {'view' if view else 'no view'} {ratio:.2f}" for (model, view), ratio in tensor_ratios.items()))
     return table
 
 
-def peak_ratios(rows: list[dict]) -> dict[tuple[str, bool], float]:
-    """ddpkit's peak over torch's, per (model, gradient_as_bucket_view)."""
-    by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r["peak_bytes"] for r in rows}
+def peak_ratios(rows: list[dict], key: str = "peak_bytes") -> dict[tuple[str, bool], float]:
+    """ddpkit's peak (``key``) over torch's, per (model, gradient_as_bucket_view); none where unmeasured."""
+    by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r[key] for r in rows if r.get(key) is not None}
     return {(model, view): by[(model, "ddpkit", view)] / max(1, by[(model, "torch", view)])
             for model, impl, view in by if impl == "ddpkit" and (model, "torch", view) in by}

@@ -109,7 +109,9 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
     if "memory" in config.tables:
         rows = memory.run_memory(list(config.models), config.quick, device, repeats=1 if config.quick else 3)
         results["memory"] = rows
-        results["memory_peak_ratios"] = [{"model": m, "gradient_as_bucket_view": v, "ddpkit/torch": r}
+        tensor_ratios = memory.peak_ratios(rows, "tensor_peak_bytes")
+        results["memory_peak_ratios"] = [{"model": m, "gradient_as_bucket_view": v, "ddpkit/torch": r,
+                                          "tensor ddpkit/torch": tensor_ratios.get((m, v))}
                                          for (m, v), r in memory.peak_ratios(rows).items()]
         _print(memory.memory_table(rows, world_size).render())
     if "profile" in config.tables:

@@ -17,11 +17,12 @@ import os
 import re
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 
 from ddpkit.bench.ddp_step import make_stepper
 from ddpkit.bench.report import Table
 from ddpkit.bench.sync import barrier, max_over_ranks
+from ddpkit.bench.tensor_peak import quiet_profile
 
 __all__ = ["THREAD_VARIANTS", "COPY_KERNELS", "thread_counters", "run_threads", "threads_table"]
 
@@ -60,7 +61,7 @@ def _counted(step, steps: int, device: torch.device) -> dict[str, float]:
 
 def _profiled(step, steps: int) -> dict[str, float]:
     """Seconds per step in the copy kernels and in ddpkit's final wait (self CPU time)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
     totals = {e.key: e.self_cpu_time_total for e in prof.key_averages()}

@@ -239,9 +239,22 @@ def test_memory_figures_are_medians_of_fresh_runs(monkeypatch):
                 "retained_bytes": 1, "peak_kind": "rss_hwm",
                 **dict.fromkeys(("param_bytes", "grad_bytes", "bucket_bytes", "accounted_bytes"), 1)}
 
-    monkeypatch.setattr(memory, "in_fresh_processes", fake)
+    def fresh(fn, *args):
+        return 7 if fn is memory.tensor_peak else fake(fn, *args)
+
+    monkeypatch.setattr(memory, "in_fresh_processes", fresh)
     rows = memory.run_memory(["small"], quick=False, device=torch.device("cpu"), repeats=3)
     assert [r["peak_runs"] for r in rows] == [[10, 50, 30], [40, 20, 30], [30, 10, 20], [20, 60, 40]]
     assert [r["peak_bytes"] for r in rows] == [30, 30, 20, 40]
     assert peak_ratios(rows) == {("small", False): 1.5, ("small", True): 0.75}
+    assert [r["tensor_peak_bytes"] for r in rows] == [7] * 4
+    assert peak_ratios(rows, "tensor_peak_bytes") == {("small", False): 1.0, ("small", True): 1.0}
     assert "median of 3 runs" in memory.memory_table(rows, 2).render()
+
+
+def test_tensor_peak_is_the_running_sum_in_time_order():
+    from ddpkit.bench.tensor_peak import running_peak
+
+    # given out of order: at t=1 +5, t=2 +3 (peak 8), t=3 -6, t=4 +4 (6), t=5 -6
+    assert running_peak([(3, -6), (1, 5), (5, -6), (2, 3), (4, 4)]) == (8, 0)
+    assert running_peak([]) == (0, 0)
