@@ -19,6 +19,7 @@ from ddpkit.ddp.errors import unused_gradient_error
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.comm import all_gather_object
+from ddpkit.runtime.hangs.recorder import release_finished
 
 __all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]
 
@@ -115,6 +116,8 @@ class Collectives:
         tail = self.wait_with_tail(works, used_map, missing, into)
         if used_map is not None:
             tail[1].wait()
+        release_finished(self.group)  # before zero_grad may free the gradients the Works hold
+        if used_map is not None:
             return tail[0], False
         return None, self._failed(tail, last)
 

@@ -546,7 +546,8 @@ def test_collectives_launched_in_backward_carry_no_python_object_into_gloos_thre
         assert in_launch and not any(in_launch)
 
 
-_RELEASE_CONFIGS = ({}, {"bucket_cap_mb": 0.001}, {"find_unused_parameters": True}, {"hook": True})
+# "big": 2.25 MiB weights, which ddpkit all-reduces where they lie (their Works hold the gradients)
+_RELEASE_CONFIGS = ({}, {"bucket_cap_mb": 0.001}, {"find_unused_parameters": True}, {"hook": True}, {"big": True})
 
 
 def _freed_gradients_worker() -> dict[str, list[bool]]:
@@ -560,14 +561,15 @@ def _freed_gradients_worker() -> dict[str, list[bool]]:
     for name, wrap, hook in (("torch", nn.parallel.DistributedDataParallel, default_hooks.allreduce_hook),
                              ("ddpkit", ddpkit.DDP, ddpkit.hooks.allreduce_hook)):
         for kwargs in _RELEASE_CONFIGS:
-            options = {k: v for k, v in kwargs.items() if k != "hook"}
-            ddp = wrap(_mlp(16, 3), **options)
+            options = {k: v for k, v in kwargs.items() if k not in ("hook", "big")}
+            width = 768 if "big" in kwargs else 16
+            ddp = wrap(_mlp(width, 3), **options)
             if "hook" in kwargs:
                 ddp.register_comm_hook(None, hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
             for _ in range(2):  # the second step runs on rebuilt buckets
                 opt.zero_grad(set_to_none=True)
-                ddp(torch.randn(2, 16)).sum().backward()
+                ddp(torch.randn(2, width)).sum().backward()
             last = [weakref.ref(p.grad) for p in ddp.parameters()]
             opt.zero_grad(set_to_none=True)
             gc.collect()
@@ -577,7 +579,8 @@ def _freed_gradients_worker() -> dict[str, list[bool]]:
 
 @pytest.mark.timeout(90)
 def test_zero_grad_set_to_none_frees_the_averaged_gradients_as_torchs_ddp_does():
-    """Held by the buckets, they would double gradient memory until the next backward."""
+    """Held by the buckets, or by the hang recorder's Works of gradients reduced in place, they
+    would double gradient memory until the next backward."""
     for freed in run_ranks(_freed_gradients_worker, 2, timeout=60):
         for kwargs in _RELEASE_CONFIGS:
             assert all(freed[f"torch {kwargs}"]), f"reference broken: torch's DDP kept {kwargs}"
