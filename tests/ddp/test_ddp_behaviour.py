@@ -760,3 +760,39 @@ def test_the_step_after_an_abandoned_backward_averages_its_own_gradients():
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
 
+
+
+def _broadcast_mixed_dtypes_worker() -> list[torch.Tensor]:
+    """Buffers of every kind a module holds, rank-dependent, broadcast from group rank 1."""
+    import torch.distributed as dist
+
+    from ddpkit.ddp.state_sync import broadcast_coalesced
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(3, generator=gen),                                  # odd float32 byte count
+               torch.tensor(rank + 7),                                          # 0-dim int64
+               torch.randn(5, generator=gen).half(),                            # 10 bytes
+               torch.rand(4, generator=gen) > 0.5 if rank else torch.zeros(4, dtype=torch.bool),
+               torch.randn(2, 3, generator=gen, dtype=torch.cfloat),           # 16-byte elements
+               torch.randn(4, 6, generator=gen).t(),                            # not contiguous
+               torch.empty(0, dtype=torch.float64)]
+    broadcast_coalesced(tensors, 1, dist.group.WORLD)
+    return tensors
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_coalesced_sends_every_dtype_in_one_flat_byte_tensor():
+    """Every rank ends with the source's values, dtypes, shapes and strides, whatever the mix."""
+    got = run_ranks(_broadcast_mixed_dtypes_worker, 3)
+    expected = got[1]
+    for rank, tensors in enumerate(got):
+        for t, e in zip(tensors, expected):
+            assert t.dtype == e.dtype and t.shape == e.shape and t.stride() == e.stride(), rank
+            assert torch.equal(t, e), f"rank {rank} got {t}, the source holds {e}"
+    assert not torch.equal(got[0][0], _rank0_first_tensor_before())
+
+
+def _rank0_first_tensor_before() -> torch.Tensor:
+    """Rank 0's first tensor before the broadcast, which the broadcast must have replaced."""
+    return torch.randn(3, generator=torch.Generator().manual_seed(0))
