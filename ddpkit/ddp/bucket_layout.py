@@ -87,11 +87,24 @@ class BucketLayout:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
-        self._alone = [] if hooked else self.in_place
-        self.build(rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
-                                  hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,
-                                  alone=self._alone))
+        alone = [] if hooked else self.in_place
+        groups = rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
+                                hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,
+                                alone=alone)
+        # in ddpkit's own layout, the same parameters in the same buckets: only the order inside a
+        # bucket would change, which no comm hook sees there; keeping them spares a second set of
+        # gradients (with views, the old buckets hold them while they move). torch's layout (a hook,
+        # cap_list, like_torch) shows that order, so it is rebuilt. See Note [Gradient memory]
+        own_layout = not (hooked or self.like_torch or self.cap_list)
+        if not own_layout or alone != self._alone or not self._same_buckets(groups):
+            self._alone = alone
+            self.build(groups)
         self.rebuilt, self.record = True, None
+
+    def _same_buckets(self, groups: list[list[int]]) -> bool:
+        """Whether ``groups`` puts the same parameters in each bucket, in the same launch order."""
+        return len(groups) == len(self.buckets) and all(
+            sorted(g) == sorted(b.param_indices) for g, b in zip(groups, self.buckets))
 
     def build(self, groups: list[list[int]]) -> None:
         """(Re)create the buckets, in launch order; the last one carries the status flag."""

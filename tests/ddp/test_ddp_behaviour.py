@@ -613,7 +613,9 @@ def _buffers_alive_at_rebuild_worker() -> list[int]:
         _reducer_options = {"bucket_type": RecordingBucket}
 
     first_count = [10**9]  # no waiting while the first buckets are built
-    ddp = RecordingDDP(_mlp(16, 3), bucket_cap_mb=0.001)
+    # used in the reverse of registration, the gradients arrive in another order than the first
+    # buckets expect: the rebuild regroups them
+    ddp = RecordingDDP(_UsedBackwards(), bucket_cap_mb=0.001)
     first = first_count[0] = len(ddp.reducer.buckets)
     for _ in range(2):  # the second forward rebuilds the buckets
         ddp(torch.randn(2, 16)).sum().backward()
@@ -626,6 +628,50 @@ def test_the_rebuild_frees_the_old_bucket_buffers_before_allocating_new_ones():
     """Else peak memory holds two sets of buckets, as torch's DDP never does."""
     for alive_then in run_ranks(_buffers_alive_at_rebuild_worker, 2, timeout=40):
         assert alive_then == list(range(len(alive_then)))  # only the new ones allocated so far
+
+
+class _UsedBackwards(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = _mlp(16, 3)
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
+def _kept_at_rebuild_worker(view: bool) -> dict:
+    """Bucket buffers and gradient storages before and after the rebuild."""
+    import copy
+
+    import torch.distributed as dist
+
+    ddp = ddpkit.DDP(_mlp(16, 3), gradient_as_bucket_view=view)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(ddp.module), gradient_as_bucket_view=view)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref)]
+    storages = []
+    for step in range(3):  # the second forward is where the rebuild comes
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + step))
+        for model, opt in zip((ddp, ref), opts):
+            opt.zero_grad(set_to_none=False)
+            model(x).sum().backward()
+            opt.step()
+        storages.append(([b.flat.data_ptr() for b in ddp.reducer.buckets],
+                         [p.grad.untyped_storage().data_ptr() for p in ddp.parameters()]))
+    return {"rebuilt": ddp.reducer.layout.rebuilt, "storages": storages,
+            "equal": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ddp.parameters(), ref.parameters()))}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("view", [False, True])
+def test_the_rebuild_keeps_buckets_that_hold_the_same_parameters(view):
+    """When the gradients arrive in the order the first buckets expected, ddpkit's own layout comes
+    out the same: keeping it spares torch's second set of gradients (with views) and a copy."""
+    for out in run_ranks(_kept_at_rebuild_worker, 2, args=(view,), timeout=40):
+        assert out["rebuilt"] and out["equal"]
+        first, *later = out["storages"]
+        assert all(s == first for s in later), f"the buckets or gradients moved at the rebuild: {out['storages']}"
 
 
 # ---- a world of one, and argument checks (in this process, no process group) ----------------------
