@@ -244,6 +244,12 @@ class Bucket(GradBucketBasics):
         """Views of ``buffer()``, one per parameter, shaped like it, in ``parameters()``'s order."""
         return [self.views[pos] for pos in self._given_order]
 
+    def list_in(self, order: Sequence[int]) -> None:
+        """List ``parameters()`` and ``gradients()`` in ``order`` (this bucket's parameter indices,
+        as a rebuild that keeps the bucket gives them); the memory layout stays."""
+        position = {index: pos for pos, index in enumerate(self.param_indices)}
+        self._given_order = [position[index] for index in order]
+
     def restore_buffer(self) -> None:
         """``buffer()`` is the bucket's own gradients again (after a hook swapped in another)."""
         self._buffer = self._hook_data

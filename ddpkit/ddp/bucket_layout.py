@@ -91,12 +91,16 @@ class BucketLayout:
         groups = rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
                                 hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,
                                 alone=alone)
-        # in ddpkit's own layout, the same parameters in the same buckets: only the order inside a
-        # bucket would change, which no comm hook sees there; keeping them spares a second set of
-        # gradients (with views, the old buckets hold them while they move). torch's layout (a hook,
-        # cap_list, like_torch) shows that order, so it is rebuilt. See Note [Gradient memory]
+        # in ddpkit's own layout, the same parameters in the same buckets: keeping them spares a
+        # second set of gradients (with views, the old buckets hold them while they move); a hook
+        # registered later still sees the new order. torch's layout (a hook, cap_list, like_torch)
+        # is rebuilt as torch's. See Note [Gradient memory] in docs/design.md
         own_layout = not (hooked or self.like_torch or self.cap_list)
-        if not own_layout or alone != self._alone or not self._same_buckets(groups):
+        if own_layout and alone == self._alone and self._same_buckets(groups):
+            for bucket, group in zip(self.buckets, groups):
+                if isinstance(bucket, Bucket):  # the others hold one parameter
+                    bucket.list_in(group)
+        else:
             self._alone = alone
             self.build(groups)
         self.rebuilt, self.record = True, None

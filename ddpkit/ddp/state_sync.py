@@ -46,7 +46,8 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
     with torch.no_grad():
         for per_device in chunks.values():
             for chunk in per_device:
-                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in chunk])
+                # contiguous first: a strided 1-D tensor reshapes to itself, and its bytes cannot be viewed
+                flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in chunk])
                 dist.broadcast(flat, src=root, group=group)
                 if receiving:
                     views = torch.split(flat, [t.numel() * t.element_size() for t in chunk])

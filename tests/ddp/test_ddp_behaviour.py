@@ -663,6 +663,37 @@ def _kept_at_rebuild_worker(view: bool) -> dict:
             "equal": all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ddp.parameters(), ref.parameters()))}
 
 
+def _late_hook_order_worker() -> dict[str, list[list[str]]]:
+    """The parameters each bucket lists to a comm hook registered after the rebuild."""
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    net = _mlp(8, 3)
+    seen: dict[str, list[list[str]]] = {}
+    for name, cls in (("ddpkit", ddpkit.DDP), ("torch", nn.parallel.DistributedDataParallel)):
+        model = cls(copy.deepcopy(net))
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        for _ in range(2):  # the second forward rebuilds
+            model(torch.randn(4, 8)).sum().backward()
+        log = seen[name] = []
+
+        def recording(state, bucket, log=log, names=names):
+            log.append([names[id(p)] for p in bucket.parameters()])
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, recording)
+        model(torch.randn(4, 8)).sum().backward()
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_hook_registered_after_a_kept_rebuild_sees_torchs_order():
+    """Kept buckets list their parameters in gradient-ready order, as torch's rebuilt ones do."""
+    for seen in run_ranks(_late_hook_order_worker, 2, timeout=40):
+        assert seen["ddpkit"] == seen["torch"]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("view", [False, True])
 def test_the_rebuild_keeps_buckets_that_hold_the_same_parameters(view):
@@ -822,6 +853,8 @@ def _broadcast_mixed_dtypes_worker() -> list[torch.Tensor]:
                torch.rand(4, generator=gen) > 0.5 if rank else torch.zeros(4, dtype=torch.bool),
                torch.randn(2, 3, generator=gen, dtype=torch.cfloat),           # 16-byte elements
                torch.randn(4, 6, generator=gen).t(),                            # not contiguous
+               torch.randn(4, 3, generator=gen)[:, 0],                          # 1-D, stride 3
+               torch.randn(8, generator=gen, dtype=torch.float64)[::2],         # 1-D, stride 2
                torch.empty(0, dtype=torch.float64)]
     broadcast_coalesced(tensors, 1, dist.group.WORLD)
     return tensors
