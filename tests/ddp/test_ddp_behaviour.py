@@ -587,6 +587,19 @@ def test_zero_grad_set_to_none_frees_the_averaged_gradients_as_torchs_ddp_does()
             assert all(freed[f"ddpkit {kwargs}"]), f"ddpkit kept last step's gradients with {kwargs}"
 
 
+class _UsedBackwards(nn.Module):
+    """An MLP used in the reverse of its registration order."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _mlp(16, 3)
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
 def _buffers_alive_at_rebuild_worker() -> list[int]:
     """How many earlier bucket buffers are still alive as each rebuilt bucket is allocated."""
     import weakref
@@ -628,17 +641,6 @@ def test_the_rebuild_frees_the_old_bucket_buffers_before_allocating_new_ones():
     """Else peak memory holds two sets of buckets, as torch's DDP never does."""
     for alive_then in run_ranks(_buffers_alive_at_rebuild_worker, 2, timeout=40):
         assert alive_then == list(range(len(alive_then)))  # only the new ones allocated so far
-
-
-class _UsedBackwards(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = _mlp(16, 3)
-
-    def forward(self, x):
-        for layer in reversed(self.layers):
-            x = layer(x)
-        return x
 
 
 def _kept_at_rebuild_worker(view: bool) -> dict:
@@ -836,7 +838,6 @@ def test_the_step_after_an_abandoned_backward_averages_its_own_gradients():
     for got, want in run_ranks(_after_abandoned_launches_worker, 2, timeout=45):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
-
 
 
 def _broadcast_mixed_dtypes_worker() -> list[torch.Tensor]:
