@@ -29,7 +29,7 @@ from torch import nn
 
 from ddpkit.ddp.distributed import DistributedDataParallel
 from ddpkit.dp.data_parallel import DataParallel
-from ddpkit.dp.devices import as_devices
+from ddpkit.dp.devices import as_devices, check_available
 from ddpkit.runtime.process_group import current_env, get_local_rank, require_group_when_launched
 
 __all__ = ["parallelize", "local_devices"]
@@ -111,6 +111,8 @@ def _single_process(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     devices = local_devices(options.get("devices"), cuda_count)
     if devices is None:
         return module.to("cuda:0") if cuda_count == 1 else module
+    for i, device in enumerate(devices):  # before the module goes there: torch's assertion is cryptic
+        check_available(device, f"devices[{i}]")
     kwargs = {k: v for k, v in options.items() if k in _DP_OPTIONS}
     # DataParallel keeps the master copy on the first device and broadcasts it from there
     return DataParallel(module.to(devices[0]), device_ids=devices, **kwargs)

@@ -85,6 +85,15 @@ def test_local_devices_prefers_named_devices_then_all_gpus_then_none():
         local_devices([1.5], cuda_count=0)
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+def test_gpus_named_without_cuda_are_refused_before_the_model_moves():
+    model = _model()
+    with pytest.raises(ValueError, match=r"devices\[0\] is cuda:0, but CUDA is not available.*HINT: use 'cpu'"):
+        parallelize(model, devices=[0, 1])
+    assert next(model.parameters()).device.type == "cpu"
+
+
 @pytest.mark.timeout(30)
 def test_devices_on_cpu_gives_data_parallel_with_the_module_output():
     model = _model()

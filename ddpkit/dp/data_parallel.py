@@ -32,12 +32,22 @@ _IMBALANCE_WARNING = """
     environment variable."""
 
 
-def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
-    """The devices to use; an empty list means torch's CPU mode (call the module directly)."""
+def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None, *,
+                        named_gpus_needed: bool = False) -> list[torch.device]:
+    """The devices to use; an empty list means torch's CPU mode (call the module directly).
+
+    ``named_gpus_needed``: GPUs named without CUDA raise, as torch's ``data_parallel`` does, instead
+    of the CPU mode torch's ``DataParallel`` falls back to.
+    """
     cuda = torch.cuda.is_available()
     if device_ids is None:
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if cuda else []
     devices = as_devices(device_ids, what="device_ids")
+    if named_gpus_needed and not cuda and devices and not any(d.type == "cpu" for d in devices):
+        raise RuntimeError(
+            f"data_parallel: device type could not be determined: device_ids={list(device_ids)!r} names "
+            f"{devices[0]}, but CUDA is not available on this machine. HINT: pass device_ids=None to "
+            "call the module as it is, or name CPU devices, e.g. ['cpu', 'cpu'].")
     if not cuda and not any(d.type == "cpu" for d in devices):
         # torch ignores device_ids when there is no GPU, so scripts written for GPUs still run
         return []
@@ -181,7 +191,8 @@ def data_parallel(
     """Evaluate ``module(*inputs, **module_kwargs)`` in parallel over ``device_ids``: DataParallel as a function.
 
     ``inputs`` that is not a tuple is one positional argument (None means none). Unlike torch, which
-    raises without CUDA, no device_ids and no CUDA calls the module directly, as DataParallel does.
+    raises without CUDA, no device_ids and no CUDA calls the module directly, as DataParallel does;
+    GPUs named without CUDA raise torch's RuntimeError.
     """
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
@@ -190,7 +201,7 @@ def data_parallel(
             "device_ids is empty: expected at least one device. "
             "HINT: pass device_ids=None to use every GPU, or name devices, e.g. ['cpu', 'cpu']."
         )
-    devices = _resolve_device_ids(device_ids)
+    devices = _resolve_device_ids(device_ids, named_gpus_needed=True)
     if not devices:
         return module(*inputs, **(module_kwargs or {}))
     output = _resolve_output_device(output_device, devices)

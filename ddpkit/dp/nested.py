@@ -157,5 +157,9 @@ def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "ob
     elif node.keys is not None:  # a dataclass: its init fields, by name
         columns = [[getattr(o, name) for o in objs] for name in node.keys]
     else:
+        if not all(_node(o) is not None and _node(o).keys is None and len(o) == len(first) for o in objs):
+            found = [f"{type(o).__name__} of {len(o)}" if _node(o) is not None else type(o).__name__
+                     for o in objs]
+            raise ValueError(f"all {what} must be {type(first).__name__}s of the same length, but found {found}")
         columns = [list(column) for column in zip(*objs, strict=True)]
     return node.rebuild([join(fn, column, what=what) for column in columns])

@@ -146,6 +146,13 @@ def _gather_leaves(outputs: list[Any], target: torch.device, dim: int) -> Any:
     """Join what the replicas returned at one position of their outputs' structure."""
     out = outputs[0]
     if isinstance(out, torch.Tensor):
+        others = [(i, o) for i, o in enumerate(outputs) if not isinstance(o, torch.Tensor)]
+        if others:
+            i, o = others[0]
+            raise TypeError(
+                f"cannot gather replica outputs: replica 0 returned a tensor where replica {i} returned "
+                f"{type(o).__name__} {o!r:.80}. HINT: every replica's forward must return the same "
+                "structure, with a tensor at the same places.")
         return _gather_tensors(outputs, target, dim)
     if out is None:
         return None

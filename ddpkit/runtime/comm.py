@@ -31,6 +31,11 @@ REDUCE_OPS = {
 }
 
 
+# every dtype torch has, by a code that is the same in every process (sorted by name)
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+
+
 def _active(group) -> bool:
     """True when there is a process group to talk to; False means: act as a world of one."""
     return dist.is_available() and dist.is_initialized() or group is not None
@@ -159,13 +164,20 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     if world_size == 1:
         return [tensor.clone()]
     tensor = tensor.contiguous()
-    shape = torch.tensor([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
-                         dtype=torch.int64, device=tensor.device)
     if tensor.dim() > 8:
         raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
-    shapes = [torch.empty_like(shape) for _ in range(world_size)]
-    dist.all_gather(shapes, shape, group=group)
-    shapes = [tuple(s[1:1 + int(s[0])].tolist()) for s in shapes]
+    # the dtype goes with the shape: Gloo aborts the process on a size mismatch, and a dtype of the
+    # same size would be gathered as garbage
+    header = torch.tensor([_DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+                          dtype=torch.int64, device=tensor.device)
+    headers = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(headers, header, group=group)
+    dtypes = [_DTYPES[int(h[0])] for h in headers]
+    if any(d != tensor.dtype for d in dtypes):
+        listed = ", ".join(f"rank {r}: {str(d).replace('torch.', '')}" for r, d in enumerate(dtypes))
+        raise TypeError(f"all_gather: every rank must give the same dtype, but the dtypes are {listed}. "
+                        "HINT: convert with .to(dtype) before gathering.")
+    shapes = [tuple(h[2:2 + int(h[1])].tolist()) for h in headers]
     if any(len(s) != tensor.dim() or s[1:] != tuple(tensor.shape[1:]) for s in shapes):
         listed = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
         raise ValueError(f"all_gather: only the first dimension may differ between ranks, but the "

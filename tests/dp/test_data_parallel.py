@@ -270,6 +270,14 @@ def test_without_cuda_gpu_device_ids_are_ignored_as_torch_does():
     assert DataParallel(_mlp(), device_ids=[0, 1]).device_ids == []
 
 
+@no_cuda
+def test_without_cuda_the_function_refuses_gpu_device_ids_as_torchs_does():
+    # torch's data_parallel raises "device type could not be determined"; the class ignores them
+    with pytest.raises(RuntimeError, match=r"device type could not be determined: device_ids=\[0, 1\] "
+                                           r"names cuda:0, but CUDA is not available.*HINT"):
+        data_parallel(_mlp(), torch.randn(4, 5), device_ids=[0, 1])
+
+
 def test_a_parameter_on_another_device_is_named():
     model = nn.Sequential(nn.Linear(5, 2), nn.Linear(2, 2, device="meta"))
     expected = r"device cpu \(device_ids\[0\]\) but found parameter '1.weight' on device meta"

@@ -190,6 +190,16 @@ def test_gather_rejects_dicts_with_different_keys():
         gather([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
 
 
+def test_gather_names_outputs_of_different_structure():
+    with pytest.raises(ValueError, match=r"all replica outputs must be lists of the same length, "
+                                         r"but found \['list of 1', 'list of 2'\]"):
+        gather([[torch.ones(1)], [torch.ones(1), torch.ones(1)]], "cpu")
+    with pytest.raises(ValueError, match=r"must be tuples of the same length, but found \['tuple of 1', 'Tensor'\]"):
+        gather([(torch.ones(1),), torch.ones(1)], "cpu")
+    with pytest.raises(TypeError, match="replica 0 returned a tensor where replica 2 returned NoneType None"):
+        gather([torch.ones(1), torch.ones(1), None], "cpu")
+
+
 def test_gather_returns_a_non_tensor_that_is_the_same_on_every_replica():
     assert gather([("tag", torch.zeros(1)), ("tag", torch.zeros(1))], "cpu")[0] == "tag"
 
