@@ -46,8 +46,8 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     devices = {p.device for p in params}
     types = sorted({d.type for d in devices})
     if len(types) != 1:
-        raise ValueError(explain(f"DistributedDataParallel needs the module's parameters on one type of "
-                                 f"device, found {types}.", "move the whole module with .to(device)."))
+        raise ValueError(explain(f"DistributedDataParallel's input module must be on the same type of devices: "
+                                 f"its parameters are on {types}.", "move the whole module with .to(device)."))
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(explain(f"device_ids={list(device_ids)}: DistributedDataParallel drives one "
                                  "device per process, so device_ids can only be None or contain a single "
@@ -73,8 +73,9 @@ def refuse_uninitialized(module: nn.Module) -> None:
     for name, p in module.named_parameters():
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise RuntimeError(explain(
-                f"DistributedDataParallel needs initialized parameters, but {name!r} is not yet (a "
-                "lazy module, such as nn.LazyLinear, sizes it at its first forward).",
+                f"Modules with uninitialized parameters can't be used with `DistributedDataParallel`: "
+                f"{name!r} is not initialized yet (a lazy module, such as nn.LazyLinear, sizes it at its "
+                "first forward).",
                 "run one forward pass on a sample batch before wrapping the model."))
 
 
@@ -90,15 +91,28 @@ def sparse_gradient_names(module: nn.Module, names: Sequence[str]) -> list[str |
 
 
 def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | None:
-    """How rank ``rank``'s (name, shape, dtype, requires_grad) list first differs from rank 0's."""
+    """How rank ``rank``'s (name, shape, dtype, requires_grad, strides) list first differs from rank 0's.
+
+    Strides are a parameter's (None for a buffer), with those of size-1 dimensions left out: they
+    place nothing. A bucket lays each gradient out as its parameter is laid out, so a parameter
+    strided otherwise on one rank (channels_last there only) would be summed with the wrong elements.
+    """
     def describe(entry: tuple, r: int) -> str:
-        name, shape, dtype, requires_grad = entry
+        name, shape, dtype, requires_grad, _ = entry
         frozen = ", requires_grad=False" if requires_grad is False else ""
         return f"rank {r} has {name!r} with shape {list(shape)} ({dtype}{frozen})"
 
+    def strides(entry: tuple, r: int) -> str:
+        shown = [s if s is not None else "-" for s in entry[4]]
+        return f"rank {r} has {entry[0]!r} with strides {shown}"
+
     for i, (a, b) in enumerate(zip(ref, other)):
-        if a != b:
+        if a[:4] != b[:4]:
             return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
+        if a != b:
+            return (f"parameter #{i} with sizes {list(a[1])} appears not to match strides of the same param "
+                    f"in process 0: {strides(a, 0)}, {strides(b, rank)} (a memory format, such as "
+                    "channels_last, set on some ranks only)")
     if len(ref) != len(other):
         longer, r = (ref, 0) if len(ref) > len(other) else (other, rank)
         return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "

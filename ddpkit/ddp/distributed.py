@@ -27,7 +27,7 @@ from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, verify_same_tensors
+from ddpkit.ddp.state_sync import broadcast_coalesced, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime.process_group import require_group_when_launched
@@ -108,6 +108,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         # torch's init_sync=False: no check across ranks and no broadcast, the caller's promise that
         # every rank starts from the same values; torch skips both when every parameter is delayed
         init_sync = init_sync and bool(named if local_error is None else True)
+        if self.world_size > 1 and init_sync and local_error is None:
+            local_error = overlapping_state_error(self._states(buffers=buffer_sync.init), self.rank)
         if self.world_size > 1 and init_sync:
             verify_same_tensors(self._states(buffers=buffer_sync.init), local_error, self.process_group,
                                 self.rank, self.world_size)

@@ -11,9 +11,10 @@ from torch import nn
 
 from ddpkit.ddp.arguments import first_difference
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
+from ddpkit.errors import explain
 from ddpkit.runtime.comm import all_gather_object
 
-__all__ = ["broadcast_coalesced", "default_group", "verify_same_tensors"]
+__all__ = ["broadcast_coalesced", "default_group", "overlapping_state_error", "verify_same_tensors"]
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
 
@@ -64,7 +65,8 @@ def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error:
     """
     mine = [] if local_error is not None else [
         (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-         t.requires_grad if isinstance(t, nn.Parameter) else None)  # None: a buffer
+         t.requires_grad if isinstance(t, nn.Parameter) else None,  # None: a buffer
+         _layout(t) if isinstance(t, nn.Parameter) else None)
         for n, t in states]
     shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
     gathered = all_gather_object(shared, group=group)
@@ -78,3 +80,26 @@ def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error:
         problem = first_difference(everyone[0], everyone[other], other)
         if problem:
             raise ranks_disagree_error(rank, other, problem)
+
+
+def _layout(t: torch.Tensor) -> tuple[int | None, ...] | None:
+    """A dense tensor's strides, None for its size-1 dimensions (they place nothing)."""
+    if t.layout != torch.strided:
+        return None
+    return tuple(stride if size > 1 else None for stride, size in zip(t.stride(), t.shape))
+
+
+def overlapping_state_error(states: Iterable[tuple[str, torch.Tensor]], rank: int) -> RuntimeError | None:
+    """The error for a tensor that a broadcast cannot write into (an ``expand``-ed buffer, whose
+    elements share memory), or None. Raised on every rank: torch's copy fails on the receiving ranks
+    only, and the source rank went on alone."""
+    for name, t in states:
+        if t.layout == torch.strided and torch._debug_has_internal_overlap(t) == 1:
+            return RuntimeError(explain(
+                "unsupported operation: more than one element of the written-to tensor refers to a single "
+                f"memory location. DistributedDataParallel copies rank 0's {name!r} into every rank's, but "
+                f"its elements share memory (shape {list(t.shape)}, strides {list(t.stride())}, an expand()ed "
+                f"tensor) (this is rank {rank}).",
+                f"register a tensor of its own: {name!r} = tensor.clone(), or leave it out of the "
+                "broadcast with broadcast_buffers=False."))
+    return None

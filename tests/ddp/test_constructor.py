@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
+from ranks import RankFailure, run_ranks
 from torch import nn
 
 import ddpkit
@@ -120,6 +120,40 @@ def test_init_sync_false_neither_checks_nor_broadcasts_like_torch():
     for out in run_ranks(_init_sync_off_worker, 2, timeout=45):
         for mine, theirs, own in zip(out["ddpkit"], out["torch"], out["own"]):
             assert torch.equal(mine, theirs) and torch.equal(mine, own)
+
+
+def _strided_on_rank_1_worker(in_channels: int) -> list[torch.Tensor]:
+    """A conv weight in channels_last on rank 1 only; returns the averaged gradient."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(in_channels, 4, 3)
+    if dist.get_rank() == 1:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = ddpkit.DDP(model)
+    x = torch.randn(2, in_channels, 5, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ddp(x).square().sum().backward()
+    own = torch.func.grad(lambda w: torch.nn.functional.conv2d(x, w, model.bias).square().sum())(model.weight.detach())
+    dist.all_reduce(own)
+    return [model.weight.grad, own / 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_strided_otherwise_on_one_rank_is_refused_on_every_rank():
+    # its gradient would be summed with another rank's elements; torch raises on the odd rank only
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_strided_on_rank_1_worker, 2, args=(3,))
+    assert sorted(info.value.failures) == [0, 1]
+    for text in info.value.failures.values():
+        assert "RanksDisagreeError: DDP expects same model across all ranks" in text
+        assert ("parameter #0 with sizes [4, 3, 3, 3] appears not to match strides of the same param in "
+                "process 0: rank 0 has 'weight' with strides [27, 9, 3, 1], rank 1 has 'weight' with strides "
+                "[27, 1, 9, 3]") in text
+
+
+@pytest.mark.timeout(60)
+def test_strides_of_size_one_dimensions_place_nothing_and_pass():
+    # a one-channel weight is laid out alike either way, though torch compares the raw strides
+    for grad, expected in run_ranks(_strided_on_rank_1_worker, 2, args=(1,)):
+        torch.testing.assert_close(grad, expected)
 
 
 # ---- bucket layouts and collectives -------------------------------------------------------------

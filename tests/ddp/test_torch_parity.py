@@ -232,6 +232,14 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
         DDP(nn.Linear(2, 2).requires_grad_(False))
     elif kind == "models_differ":
         DDP(nn.Sequential(*[nn.Linear(2, 2) for _ in range(1 + rank)]))
+    elif kind == "lazy":
+        DDP(nn.LazyLinear(2))
+    elif kind == "two_device_types":  # meta stands in for a second device type
+        DDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta")))
+    elif kind == "expanded_buffer":  # its elements share memory: the broadcast cannot write it
+        model = nn.Linear(2, 2)
+        model.register_buffer("spread", torch.zeros(2).expand(3, 2))
+        DDP(model)
     elif kind == "static_graph_late":
         ddp = DDP(nn.Linear(2, 2))
         ddp(x).sum().backward()
@@ -270,6 +278,10 @@ _MISUSES = {
     "nothing_to_train": ("DistributedDataParallel is not needed when a module doesn't have any parameter that "
                          "requires a gradient", True),
     "models_differ": ("DDP expects same model across all ranks", True),
+    "lazy": ("Modules with uninitialized parameters can't be used with `DistributedDataParallel`", False),
+    "two_device_types": ("DistributedDataParallel's input module must be on the same type of devices", False),
+    "expanded_buffer": ("unsupported operation: more than one element of the written-to tensor refers to a "
+                        "single memory location", True),
     "static_graph_late": ("set_static_graph() should be called before training loop starts and after "
                           "DistributedDataParallel is constructed", True),
     "join_exhausted": ("exhausted", False),  # torch's Join speaks for both: the same words
