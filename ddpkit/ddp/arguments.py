@@ -5,17 +5,19 @@ all on every rank and shares any failure, so that no rank is left waiting for an
 """
 from __future__ import annotations
 
-from typing import Sequence
+import inspect
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit.ddp.bucket import DEFAULT_FIRST_BUCKET_BYTES
 from ddpkit.dp.devices import as_device
-from ddpkit.errors import explain
+from ddpkit.errors import CommHookError, explain
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_devices", "first_difference",
-           "refuse_uninitialized", "sparse_gradient_names"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_comm_hook", "check_devices", "first_difference",
+           "refuse_torch_sync_batchnorm_on_cpu", "refuse_uninitialized", "sparse_gradient_names"]
 
 _MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -69,6 +71,19 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     return device, [device.index], output
 
 
+def refuse_torch_sync_batchnorm_on_cpu(module: nn.Module, device: torch.device) -> None:
+    """torch's ``nn.SyncBatchNorm`` needs CUDA; it failed at the first forward, torch's DDP refuses it."""
+    if device.type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm):
+            raise ValueError(explain(
+                f"SyncBatchNorm layers only work with GPU modules: {name!r} is torch's nn.SyncBatchNorm, "
+                "and this module is on the CPU.",
+                "build the model with ordinary BatchNorm layers and convert them with "
+                "ddpkit.SyncBatchNorm.convert_sync_batchnorm(model), whose layers also work on the CPU."))
+
+
 def refuse_uninitialized(module: nn.Module) -> None:
     for name, p in module.named_parameters():
         if isinstance(p, nn.parameter.UninitializedParameter):
@@ -118,3 +133,46 @@ def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | N
         return (f"rank 0 has {len(ref)} parameters/buffers and rank {rank} has {len(other)}; the first "
                 f"without a counterpart: {describe(longer[min(len(ref), len(other))], r)}")
     return None
+
+
+_FUTURE_OF_TENSOR = torch.futures.Future[torch.Tensor]
+
+
+def check_comm_hook(hook: Any, rank: int) -> None:
+    """torch's checks of a comm hook: callable, and annotated (if at all) ``bucket: dist.GradBucket``
+    and ``-> torch.futures.Future[torch.Tensor]``. Annotations written as strings (a module with
+    ``from __future__ import annotations``) pass when they name those types, which torch refuses."""
+    if not callable(hook):
+        raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
+                            f"{rank} got {type(hook).__name__}.", rank=rank, hook=type(hook).__name__)
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C++ callable: nothing to read
+        return
+    positional = list(signature.parameters.values())
+    bucket = signature.parameters.get("bucket", positional[1] if len(positional) > 1 else None)
+    name = getattr(hook, "__name__", type(hook).__name__)
+    if bucket is not None and not _annotates(bucket.annotation, dist.GradBucket, {"GradBucket"}):
+        raise ValueError(explain(
+            f"Communication hook: bucket annotation should be dist.GradBucket, but {name}'s {bucket.name!r} "
+            f"is annotated {_shown(bucket.annotation)} (rank {rank}).",
+            f"annotate it `{bucket.name}: dist.GradBucket`, or not at all."))
+    if not _annotates(signature.return_annotation, _FUTURE_OF_TENSOR, {"Future[Tensor]"}):
+        raise ValueError(explain(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor], but "
+            f"{name} returns {_shown(signature.return_annotation)} (rank {rank}).",
+            "return the Future of the collective (work.get_future(), then .then(...) for a last step), "
+            "annotated `-> torch.futures.Future[torch.Tensor]`."))
+
+
+def _annotates(annotation: Any, expected: Any, spelled: set[str]) -> bool:
+    if annotation is inspect.Parameter.empty or annotation == expected:
+        return True
+    if isinstance(annotation, str):  # "torch.futures.Future[torch.Tensor]" -> "Future[Tensor]"
+        words = annotation.replace(" ", "").replace("torch.futures.", "").replace("futures.", "")
+        return words.replace("torch.distributed.", "").replace("dist.", "").replace("torch.", "") in spelled
+    return False
+
+
+def _shown(annotation: Any) -> str:
+    return repr(annotation) if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))

@@ -18,7 +18,14 @@ from torch.distributed.algorithms.join import Join
 
 from ddpkit.ddp import mixed_precision as mp
 from ddpkit.ddp import options
-from ddpkit.ddp.arguments import bucket_caps, check_devices, refuse_uninitialized, sparse_gradient_names
+from ddpkit.ddp.arguments import (
+    bucket_caps,
+    check_comm_hook,
+    check_devices,
+    refuse_torch_sync_batchnorm_on_cpu,
+    refuse_uninitialized,
+    sparse_gradient_names,
+)
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.delayed import DelayedAllReduce
@@ -29,7 +36,7 @@ from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
-from ddpkit.errors import CommHookError, explain
+from ddpkit.errors import explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -98,6 +105,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
                 mp.refuse_compiled(module, self.rank)
             handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
+            refuse_torch_sync_batchnorm_on_cpu(module, self.device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
             self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))
             if self.bucket_bytes_cap_list:  # torch: the largest is the cap, and no small first bucket
@@ -267,10 +275,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
-        if not callable(hook):
-            raise CommHookError(f"Communication hook must be callable as hook(state, bucket), but rank "
-                                f"{self.rank} got {type(hook).__name__}.",
-                                rank=self.rank, hook=type(hook).__name__)
+        check_comm_hook(hook, self.rank)
         if self.mixed_precision is not None and self.reducer is not None:
             raise mp.refuse_comm_hook(self.rank, hook)
         if self.reducer is None and self.process_group is not None:

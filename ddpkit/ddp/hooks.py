@@ -5,9 +5,10 @@ gets the process group (None: the default group) and a bucket with unscaled grad
 ``bucket.buffer()``, and returns a ``torch.futures.Future`` whose value is the averaged buffer.
 
     ddp.register_comm_hook(None, ddpkit.hooks.fp16_compress_hook)
-"""
-from __future__ import annotations
 
+The annotations are the objects themselves, not strings: torch's DDP compares the return annotation
+with ``torch.futures.Future[torch.Tensor]``, so these hooks work with it too.
+"""
 from typing import Any
 
 import torch

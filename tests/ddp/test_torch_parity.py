@@ -203,6 +203,14 @@ def _returns_tensor(state, bucket):
     return bucket.buffer()
 
 
+def _bucket_annotated_int(state, bucket: int) -> torch.futures.Future[torch.Tensor]:
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+
+def _annotated_tensor(state, bucket) -> torch.Tensor:
+    return bucket.buffer()
+
+
 def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or ddpkit's
     rank, x = dist.get_rank(), torch.ones(1, 2, requires_grad=True)
     if kind == "unused":
@@ -222,6 +230,12 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
         ddp = DDP(nn.Linear(2, 2))
         ddp.register_comm_hook(None, _returns_tensor)
         ddp(x).sum().backward()
+    elif kind == "hook_bucket_annotation":  # annotations are strings here (from __future__): torch reads them
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, _bucket_annotated_int)
+    elif kind == "hook_return_annotation":
+        DDP(nn.Linear(2, 2)).register_comm_hook(None, _annotated_tensor)
+    elif kind == "torch_sync_batchnorm_on_cpu":
+        DDP(nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2)))
     elif kind == "hook_not_callable":
         DDP(nn.Linear(2, 2)).register_comm_hook(None, 3)
     elif kind == "device_ids_on_cpu":
@@ -271,6 +285,10 @@ _MISUSES = {
     "marked_twice": ("Expected to mark a variable ready only once", True),
     "hook_twice": ("register_comm_hook or register_builtin_comm_hook can only be called once", True),
     "hook_returns_tensor": ("must return a torch.futures.Future object", True),
+    "hook_bucket_annotation": ("Communication hook: bucket annotation should be dist.GradBucket", True),
+    "hook_return_annotation": ("Communication hook: return annotation should be torch.futures.Future[torch.Tensor]",
+                               True),
+    "torch_sync_batchnorm_on_cpu": ("SyncBatchNorm layers only work with GPU modules", False),
     "hook_not_callable": ("Communication hook must be callable", True),
     "device_ids_on_cpu": ("DistributedDataParallel device_ids and output_device arguments only work with "
                           "single-device/multiple-device GPU modules or CPU modules", False),
@@ -313,6 +331,35 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
             assert message == torch_message
         if kind == "models_differ":
             assert facts["differing_rank"] == 1 and "'1.weight'" in message
+
+
+def _allreduce_spelled_as_strings(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _hooks_across_worker() -> dict:
+    """ddpkit's hooks on torch's DDP, and a hook annotated in strings on ddpkit's: as torch's hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = {}
+    for who, DDP, hook in (("torch", TorchDDP, default_hooks.fp16_compress_hook),  # noqa: N806
+                           ("ddpkit hook on torch", TorchDDP, ddpkit.hooks.fp16_compress_hook),
+                           ("ddpkit allreduce on torch", TorchDDP, ddpkit.hooks.allreduce_hook),
+                           ("strings on ddpkit", ddpkit.DDP, _allreduce_spelled_as_strings)):
+        ddp = DDP(_model())
+        ddp.register_comm_hook(None, hook)
+        ddp(x).sum().backward()
+        grads[who] = [p.grad.clone() for p in ddp.parameters()]
+    return grads
+
+
+def test_ddpkits_hooks_serve_torchs_ddp_and_string_annotations_serve_ddpkits():
+    for out in run_ranks(_hooks_across_worker, world_size=2):
+        for name in ("ddpkit hook on torch", "ddpkit allreduce on torch", "strings on ddpkit"):
+            for a, b in zip(out[name], out["torch"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)  # fp16 rounding in torch's
 
 
 def _late_hook_worker() -> dict:
