@@ -27,7 +27,7 @@ overhead would dominate; see Note [Big gradients] in docs/design.md."""
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
                    first_cap_bytes: int | None = None, caps: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   in_closing_order: bool = False) -> list[list[int]]:
+                   in_closing_order: bool = False, as_torch_rebuilds: bool = False) -> list[list[int]]:
     """Group parameter indices into buckets of at most ``cap_bytes``, per device and dtype.
 
     Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
@@ -41,6 +41,9 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     ``sparse[i]``: parameter ``i`` gets sparse gradients, so a bucket of its own, whatever its size
     (torch's ``expect_sparse_gradient``). ``in_closing_order``: the buckets in the order they closed,
     those left open last, as torch orders its rebuilt buckets (where a sparse one closes at once).
+    ``as_torch_rebuilds``: in closing order, and those left open (one per device and dtype) in the
+    reverse of the order their device and dtype first came, as torch's rebuild lists them (its
+    unordered_map, read back; tested against ``dist._compute_bucket_assignment_by_size``).
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     limits = list(caps) or [first_cap_bytes, cap_bytes]
@@ -48,12 +51,14 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
     open_buckets: dict[tuple, tuple[list[int], int]] = {}  # (device, dtype) -> (indices, bytes)
     closed: dict[tuple, int] = {}  # (device, dtype) -> buckets closed so far
     buckets: list[list[int]] = []
+    first_seen: dict[tuple, None] = {}
     for index in order:
         if sparse and sparse[index]:
             buckets.append([index])
             continue
         p = params[index]
         key = (p.device, p.dtype)
+        first_seen.setdefault(key)
         indices, size = open_buckets.pop(key, ([], 0))
         indices.append(index)
         size += p.numel() * p.element_size()
@@ -63,6 +68,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_byt
             closed[key] = done + 1
         else:
             open_buckets[key] = (indices, size)
+    if as_torch_rebuilds:
+        return buckets + [open_buckets[key][0] for key in reversed(first_seen) if key in open_buckets]
     buckets.extend(indices for indices, _ in open_buckets.values())
     if not in_closing_order:
         buckets.sort(key=lambda indices: position[indices[0]])

@@ -188,9 +188,11 @@ def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: in
     """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
     ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds. With sparse gradients,
     in torch's rebuilt order: a sparse bucket goes where its gradient arrived, before a bucket
-    still filling. ``alone``: see ``initial_groups``."""
+    still filling; ``hooked``: in torch's order, which a comm hook sees through ``bucket.index()``
+    and ``is_last()``, with several dtypes too. ``alone``: see ``initial_groups``."""
     return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list,
-                          sparse=_alone(sparse, alone), in_closing_order=any(sparse) or any(alone))
+                          sparse=_alone(sparse, alone), in_closing_order=any(sparse) or any(alone),
+                          as_torch_rebuilds=hooked)
 
 
 def _alone(sparse: Sequence[bool], in_place: Sequence[bool]) -> Sequence[bool]:

@@ -69,6 +69,19 @@ def test_with_a_comm_hook_the_first_buckets_are_torchs(seed, rebuilt_later):
     assert got == list(reversed(expected))
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("first_cap, cap", [(1024, 8192), (100, 100), (sys.maxsize, sys.maxsize)])
+def test_with_a_comm_hook_the_rebuilt_buckets_are_torchs_in_torchs_order(seed, first_cap, cap):
+    """torch's rebuild, fed the gradient-ready order: buckets in the order they close, then those of
+    each dtype left open, in the reverse of the order the dtypes first came (what a hook's index()
+    and is_last() show)."""
+    params = _tensors(seed, count=12)
+    order = torch.randperm(len(params), generator=torch.Generator().manual_seed(seed)).tolist()
+    expected, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], [first_cap, cap],
+                                                          [False] * len(params), order)
+    assert rebuilt_groups(params, order, cap, first_cap, hooked=True) == expected
+
+
 def test_on_cpu_without_a_hook_every_bucket_fills_to_the_cap():
     params = [torch.empty(256) for _ in range(8)]  # 1 KiB each
     assert initial_groups(params, 4096, 1024, hooked=False, rebuilt_later=True) == [[4, 5, 6, 7], [0, 1, 2, 3]]
