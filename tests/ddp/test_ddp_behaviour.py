@@ -755,7 +755,7 @@ def test_what_torch_accepts_on_cpu_is_accepted():
 
 def test_a_lazy_module_is_refused_until_its_first_forward():
     lazy = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
-    with pytest.raises(RuntimeError, match=r"'0.weight' is not yet \(a lazy module, such as nn.LazyLinear.*"
+    with pytest.raises(RuntimeError, match=r"'0.weight' is not initialized yet \(a lazy module, such as nn.LazyLinear.*"
                                            r"HINT: run one forward pass on a sample batch before wrapping"):
         ddpkit.DDP(lazy)
     lazy(torch.ones(1, 3))
