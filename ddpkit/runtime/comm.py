@@ -168,12 +168,12 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
         raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
     # the dtype goes with the shape: Gloo aborts the process on a size mismatch, and a dtype of the
     # same size would be gathered as garbage
-    header = torch.tensor([_DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+    header = torch.tensor([_DTYPE_CODES.get(tensor.dtype, -1), tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
                           dtype=torch.int64, device=tensor.device)
     headers = [torch.empty_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
-    dtypes = [_DTYPES[int(h[0])] for h in headers]
-    if any(d != tensor.dtype for d in dtypes):
+    dtypes = [_DTYPES[int(h[0])] if int(h[0]) >= 0 else f"code {int(h[0])}" for h in headers]
+    if len({int(h[0]) for h in headers}) > 1:
         listed = ", ".join(f"rank {r}: {str(d).replace('torch.', '')}" for r, d in enumerate(dtypes))
         raise TypeError(f"all_gather: every rank must give the same dtype, but the dtypes are {listed}. "
                         "HINT: convert with .to(dtype) before gathering.")
