@@ -9,9 +9,12 @@ accumulator, a public node whose lifetime rule is not written down.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
+
+from ddpkit.errors import explain
 
 __all__ = ["gradient_accumulator", "outside_backward_python_context", "preserving_autograd_versions",
            "queue_end_of_backward_callback"]
@@ -39,7 +42,18 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     ``Variable._execution_engine.queue_callback`` is what
     torch's own DDP uses for the same purpose; there is no public equivalent. It must be called
     from inside a running backward pass (here: from a parameter's gradient-accumulator hook).
+
+    Compiled autograd traces the backward instead of running it, and refuses the callback with an
+    AssertionError about ``fullgraph``; torch's C++ reducer is refused there too, by name.
     """
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled is not None and compiled.in_compiled_autograd_region:
+        raise RuntimeError(explain(
+            "Compiled autograd is not compatible with ddpkit's DDP reducer, as it is not with torch's C++ "
+            "DDP Reducer: its hooks wait for the all-reduces in a callback at the end of backward, which "
+            "compiled autograd cannot trace.",
+            "run backward without compiled autograd (torch.compile of the model itself is supported), or "
+            "use torch's DDP with torch._dynamo.config.optimize_ddp = \"python_reducer\"."))
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 

@@ -33,6 +33,7 @@ from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
+from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_requested
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
@@ -130,10 +131,14 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         self._delayed: DelayedAllReduce | None = None
         if self.world_size > 1 and delayed:
             self._delayed = DelayedAllReduce([p for _, p in delayed], param_to_hook_all_reduce, self.process_group)
+        self._python_reducer: PythonReducer | None = None
         if self.world_size > 1 and named:
             if init_sync:
                 self._broadcast_states(src=0, buffers=buffer_sync.init)
-            self.reducer = self._make_reducer(named)
+            if python_reducer_requested():  # torch's mode for compiled autograd: no reducer, no buckets
+                self._python_reducer = PythonReducer(self, [p for _, p in named], self.process_group)
+            else:
+                self.reducer = self._make_reducer(named)
         if self.mixed_precision is not None:  # after the broadcast, so every rank casts the same values
             mp.cast_buffers(module, self.mixed_precision, self.parameters_to_ignore)
             if self.reducer is not None and mp.needs_reduce_hook(self.mixed_precision, self.reducer.params):
@@ -276,6 +281,9 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         check_comm_hook(hook, self.rank)
+        if self._python_reducer is not None:  # torch's python reducer calls it per gradient
+            self._python_reducer.comm_hooks.append((hook, state))
+            return
         if self.mixed_precision is not None and self.reducer is not None:
             raise mp.refuse_comm_hook(self.rank, hook)
         if self.reducer is None and self.process_group is not None:

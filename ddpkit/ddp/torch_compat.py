@@ -134,6 +134,18 @@ class TorchCompat:
             data["has_rebuilt_buckets"] = int(self._has_rebuilt_buckets)
         return data
 
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks by name (``dist.BuiltinCommHookType``): its Python twins from ddpkit.hooks."""
+        from ddpkit.ddp.hooks import allreduce_hook, fp16_compress_hook
+
+        hooks = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
+        name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
+        if name not in hooks:
+            raise ValueError(explain(f"_register_builtin_comm_hook: unknown comm hook type {comm_hook_type!r}.",
+                                     "pass dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS.",
+                                     who="DistributedDataParallel", rank=self.rank))
+        self.register_comm_hook(self.process_group, hooks[name])
+
     def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
         """torch's optimizer-in-backward: out of ddpkit (its reducer has no optimizer step)."""
         raise NotImplementedError(explain(

@@ -214,3 +214,46 @@ def test_ignored_parameters_are_marked_for_ddpoptimizer_as_torch_marks_them():
         marked[kind] = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()]
                               if getattr(t, "_ddp_ignored", False))
     assert marked["ddpkit"] == marked["torch"] == ["0.bias", "1.running_mean"]
+
+
+def _compiled_autograd_worker(mode: str) -> dict:
+    """torch.compile(DDP(model)) with its backward under compiled autograd, as torch documents it."""
+    from torch._dynamo import compiled_autograd
+
+    out = {}
+    for kind, cls in (("torch", nn.parallel.DistributedDataParallel), ("ddpkit", ddpkit.DDP)):
+        torch._dynamo.reset()
+        torch._dynamo.config.optimize_ddp = mode  # read when the DDP is built, by either
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        ddp = cls(model)
+        compiled = torch.compile(ddp, backend="aot_eager")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        try:
+            for _ in range(2):
+                opt.zero_grad()
+                loss = compiled(torch.randn(5, 8, generator=gen)).pow(2).sum()
+                with compiled_autograd._enable(torch.compile(backend="aot_eager")):
+                    loss.backward()
+                opt.step()
+            out[kind] = [p.detach().clone() for p in model.parameters()]
+        except RuntimeError as e:
+            out[kind] = str(e)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_compiled_autograd_with_the_python_reducer_trains_as_torchs_ddp():
+    for out in run_ranks(_compiled_autograd_worker, 2, args=("python_reducer",), timeout=280):
+        assert not isinstance(out["ddpkit"], str), out["ddpkit"]
+        for mine, theirs in zip(out["ddpkit"], out["torch"], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_autograd_with_a_reducer_is_refused_in_torchs_words():
+    for out in run_ranks(_compiled_autograd_worker, 2, args=(True,), timeout=280):
+        phrase = "Compiled autograd is not compatible with"
+        assert phrase in out["torch"] and "DDP Reducer" in out["torch"], out["torch"]
+        assert phrase in out["ddpkit"] and "optimize_ddp" in out["ddpkit"], out["ddpkit"]

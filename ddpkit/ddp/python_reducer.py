@@ -1,0 +1,53 @@
+"""torch's "python reducer": what DistributedDataParallel does when
+``torch._dynamo.config.optimize_ddp = "python_reducer"`` is set before it is built.
+
+Compiled autograd traces a backward pass into a graph, and a reducer's bucket hooks and end-of-
+backward wait cannot be traced. torch's DDP then drops its reducer for a post-accumulate-grad hook
+per parameter that all-reduces that one gradient with a functional collective, which compiled
+autograd traces and inductor may fuse again. ddpkit's DDP does the same, with torch's semantics:
+no buffer broadcast in forward, ``no_sync`` honoured, comm hooks called as ``hook(state, (grad, param))``.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PythonReducer", "python_reducer_requested"]
+
+
+def python_reducer_requested() -> bool:
+    """Whether Dynamo's ``optimize_ddp`` asks for the python reducer (Dynamo not imported: no)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    from torch._dynamo.utils import get_optimize_ddp_mode
+
+    return get_optimize_ddp_mode() == "python_reducer"
+
+
+class PythonReducer:
+    """One gradient hook per parameter: average ``param.grad`` over ``group`` as soon as it is ready."""
+
+    def __init__(self, ddp: Any, params: Sequence[torch.Tensor], group: Any) -> None:
+        self._ddp = weakref.ref(ddp)  # the hooks live on the parameters, which outlive no DDP
+        self.group = group
+        self.comm_hooks: list[tuple[Callable, Any]] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                        for p in params if p.requires_grad]
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        import torch.distributed._functional_collectives as fcol
+
+        ddp = self._ddp()
+        if ddp is None or not ddp.require_backward_grad_sync or param.grad is None:
+            return
+        if self.comm_hooks:
+            for hook, state in self.comm_hooks:
+                hook(state, (param.grad, param))
+            return
+        gradient = param.grad / dist.get_world_size(self.group)
+        param.grad.copy_(fcol.all_reduce(gradient, "sum", self.group))
