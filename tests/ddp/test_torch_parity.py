@@ -362,6 +362,25 @@ def test_ddpkits_hooks_serve_torchs_ddp_and_string_annotations_serve_ddpkits():
                 torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)  # fp16 rounding in torch's
 
 
+def _builtin_hook_worker(name: str) -> dict:
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        ddp = DDP(_model())
+        ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, name))
+        ddp(x).sum().backward()
+        grads[who] = [p.grad.clone() for p in ddp.parameters()]
+    return grads
+
+
+@pytest.mark.parametrize("name", ["ALLREDUCE", "FP16_COMPRESS"])
+def test_builtin_comm_hooks_by_name_average_as_torchs(name):
+    # torch's docstring example registers them this way
+    for out in run_ranks(_builtin_hook_worker, world_size=2, args=(name,)):
+        for a, b in zip(out["ddpkit"], out["torch"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _late_hook_worker() -> dict:
     """torch accepts a comm hook after training started (no error, no warning): so must ddpkit."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
