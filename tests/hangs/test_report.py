@@ -1,6 +1,8 @@
 """The report as a pure function of the ranks' states: wording, grouping and verdicts, in one process."""
 from __future__ import annotations
 
+import pytest
+
 from ddpkit.runtime.hangs.report import build_report, rank_list
 
 
@@ -48,12 +50,25 @@ def test_disagreement_is_certain():
     assert report["certain"] and "exit code 86" in report["text"]
 
 
-def test_a_rank_that_does_not_answer_is_certain():
+def test_a_rank_that_does_not_answer_and_is_gone_is_certain():
     answers = {r: _state(r, [_item(5)], ranks=3) for r in (0, 1)}
-    report = _report(answers, {2: {"pid": 4242, "host": "other", "final": None, "exited": None}})
-    assert ("rank 2 (pid 4242 on other) did not answer within 5 s: its process may have died or be stuck "
-            "outside Python; ranks 0, 1 wait in all_reduce #5 (train.py:88 in step()).") in report["text"]
+    report = _report(answers, {2: {"pid": 4242, "host": "here", "final": None, "exited": True}})
+    assert ("rank 2 (pid 4242 on here) has died without a word: killed by a signal (SIGKILL: out of memory?), "
+            "a crash in native code, or os._exit; ranks 0, 1 wait in all_reduce #5 (train.py:88 in step()).") \
+        in report["text"]
     assert report["certain"]
+
+
+@pytest.mark.parametrize("exited", [False, None])  # alive on this host; on another host, unknown
+def test_a_rank_that_does_not_answer_but_may_be_busy_is_not_killed(exited):
+    # a long call that holds the GIL (a big pickle, a checkpoint's write) keeps its watchdog from answering
+    answers = {r: _state(r, [_item(5)], ranks=3) for r in (0, 1)}
+    report = _report(answers, {2: {"pid": 4242, "host": "other", "final": None, "exited": exited}})
+    expected = ("yet its process lives: it is in a long call that holds Python's lock" if exited is False
+                else "and from another host this rank cannot tell whether its process lives")
+    assert f"rank 2 (pid 4242 on other) did not answer within 5 s, {expected}" in report["text"]
+    assert "ranks 0, 1 wait in all_reduce #5 (train.py:88 in step())." in report["text"]
+    assert not report["certain"] and "slow is not wrong" in report["text"]
 
 
 def test_ranks_that_agree_are_not_a_deadlock():

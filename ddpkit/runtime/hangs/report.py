@@ -98,8 +98,13 @@ def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) ->
     if info.get("exited"):
         return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
                 "memory?), a crash in native code, or os._exit")
-    return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process may have died "
-            "or be stuck outside Python")
+    if info.get("exited") is False:
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, yet its process lives: "
+                "it is in a long call that holds Python's lock (native code, a big pickle or regex), or "
+                "stuck in one")
+    return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, and from another host this "
+            "rank cannot tell whether its process lives: it may be in a long call that holds Python's "
+            "lock, stuck, or gone")
 
 
 def _divergence(groups_by_rank: dict[int, list[dict]], name: str) -> tuple[int, str] | None:
@@ -143,7 +148,9 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             verb = ("was" if one else "were") if item.get("error") else ("waits" if one else "wait")
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
         sentences.append(sentence + ".")
-        certain = True
+        # a rank busy in a call that holds the GIL cannot answer either: only one known gone is certain
+        certain = certain or bool(info.get("final") or info.get("exited"))
+    perhaps_busy = [r for r, info in missing.items() if not (info.get("final") or info.get("exited"))]
     can_complete = False
     for name, group in sorted(waiting_groups.items()):
         members = [r for r in group["ranks"] if r in answers]
@@ -182,7 +189,7 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
         hint = _divergence(known, name) if (absent or len(signatures) > 1 or missing) else None
         if hint and not (len(signatures) > 1 and {hint[0]} == {sig[0] for sig in signatures}):
             sentences.append(hint[1])
-    if not busy and not can_complete and waiting_groups:
+    if not busy and not can_complete and waiting_groups and not perhaps_busy:
         certain = True
     return sentences, certain
 
