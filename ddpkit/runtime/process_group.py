@@ -8,6 +8,7 @@ complete says how many ranks arrived and where they were looking.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import time
 from datetime import timedelta
@@ -103,6 +104,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
             dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
                                     store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            _dump_stacks_on_fatal_signals()
             store = rendezvous(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
@@ -114,6 +116,19 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     _watch[0] = hangs.start(env.rank, env.world_size, store, settings)
     _state["env"] = env
     return env
+
+
+def _dump_stacks_on_fatal_signals() -> None:
+    """Python's stacks on stderr when native code aborts or crashes (``faulthandler``), as
+    ``python -X faulthandler`` would: Gloo aborts the process when ranks send tensors of different
+    sizes to one collective, and without this the user sees Gloo's message but not which line of
+    theirs made the call. Left as it is when already on, or when stderr has no file descriptor."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, OSError, ValueError):  # stderr replaced (a notebook, a capture)
+        pass
 
 
 def shutdown() -> None:

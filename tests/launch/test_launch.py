@@ -270,6 +270,19 @@ def test_worker_killed_by_sigkill_is_named_with_an_oom_hint(job, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_gloo_abort_shows_the_users_line_that_called_the_collective(job, tmp_path):
+    # Gloo calls abort() on a size mismatch; ddpkit.init() turned on Python's stack dump for it
+    code, _, err = job.run("--nproc-per-node", "2", "--grace-period", "5", WORKER, str(tmp_path), "mismatch")
+    assert code == 128 + signal.SIGABRT, err
+    summary = err[err.index("the job failed"):]
+    assert "killed by SIGABRT" in summary and "Received data size doesn't match" in summary, summary
+    line = next(i for i, text in enumerate(Path(WORKER).read_text().splitlines(), 1)
+                if "MISMATCHED ALL_REDUCE" in text)
+    assert f'launch_worker.py", line {line} in main' in summary, summary
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
 def test_an_exit_code_of_137_is_not_taken_for_sigkill(job, tmp_path):
     code, _, err = job.run("--no-python", "bash", "-c", "exit 137")
     assert code == 137, err

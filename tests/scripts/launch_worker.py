@@ -18,9 +18,11 @@ so the test knows every process of the job. Modes:
   stdin, write 100,000 x without a newline, wait for another line, then "\\rprogress 2/2\\n".
 - ``detached``: as ``block``, but with two daemons (sessions of their own, deaf to SIGTERM and
   SIGHUP) in place of the grandchild: ``child`` inherits the environment, ``daemon`` gets an empty one.
+- ``mismatch``: ddpkit.init(backend="gloo"), an all-reduce, then one of 4 elements on rank 0 and 8 on
+  the others: Gloo aborts the process.
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
 
-Only ``allreduce`` imports torch, so the other modes start in a fraction of a second.
+Only ``allreduce`` and ``mismatch`` import torch, so the other modes start in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -91,6 +93,15 @@ def main() -> None:
         _write(os.path.join(out, f"result_{rank}.json"), result)
         print(f"sum {total.item()}", flush=True)
         ddpkit.shutdown()
+    elif mode == "mismatch":
+        import torch
+
+        import ddpkit
+
+        ddpkit.init(backend="gloo", stall_timeout=0)
+        ddpkit.all_reduce(torch.zeros(4))  # the pairs connect
+        ddpkit.all_reduce(torch.zeros(4 if rank == 0 else 8))  # MISMATCHED ALL_REDUCE
+        _block()
     elif mode == "stdin":
         _write(os.path.join(out, f"result_{rank}.json"), {"stdin": input()})
     elif mode == "progress":
