@@ -81,3 +81,31 @@ def test_the_picture_ignores_ages():
     first = _report({0: _state(0, [_item(5, age=61)], ranks=2), 1: _state(1, ranks=2)})
     later = _report({0: _state(0, [_item(5, age=122)], ranks=2), 1: _state(1, ranks=2)})
     assert first["picture"] == later["picture"] and first["text"] != later["text"]
+
+
+_C10D = "/site-packages/torch/distributed/distributed_c10d.py:2799"
+
+
+def _in_p2p(rank, call, ranks=3):
+    state = _state(rank, where="pipe.py:17 in <module>", ranks=ranks)
+    state["top"] = f"{_C10D} in {call}()"
+    return state
+
+
+def test_a_recv_that_no_rank_is_left_to_send_is_a_deadlock():
+    answers = {0: _in_p2p(0, "recv", ranks=2), 1: _state(1, [_item(3, op="barrier", what="")], ranks=2)}
+    report = _report(answers)
+    assert ("rank 0 waits in recv() at pipe.py:17 in <module> (innermost: " + _C10D + " in recv()), a "
+            "point-to-point call, and every other rank waits in a collective or a recv: no rank is left "
+            "to send.") in report["text"]
+    assert report["certain"]
+
+
+@pytest.mark.parametrize("other", ["send", "busy"])
+def test_a_recv_beside_a_send_or_a_busy_rank_may_still_complete(other):
+    # a send may be a long transfer; a rank at work may yet send
+    answers = {0: _in_p2p(0, "recv"), 1: _state(1, [_item(3)]), 2: _in_p2p(2, "send")}
+    if other == "busy":
+        answers[2] = _state(2, where="data.py:5 in load()")
+    report = _report(answers)
+    assert not report["certain"] and "no rank is left to send" not in report["text"]

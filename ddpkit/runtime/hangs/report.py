@@ -8,6 +8,7 @@ group's collective can complete. Otherwise the job may still go on (a slow rank)
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = ["build_report", "rank_list", "Report"]
@@ -84,6 +85,13 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
             for line, ranks in sorted(lines.items(), key=lambda kv: min(kv[1]))]
     picture = "\n".join(f"{rank_list(ranks)}: {line}" for line, ranks in sorted(lines.items()))
     return text, picture
+
+
+def _blocked_in_p2p(state: dict[str, Any]) -> str | None:
+    """"recv" or "send" when the rank's innermost frame is torch's blocking point-to-point call, which
+    the recorder does not number (its peer, not its group, must match it)."""
+    found = re.search(r"distributed_c10d\.py:\d+ in (recv|send)\(\)$", state.get("top") or "")
+    return found.group(1) if found else None
 
 
 def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
@@ -190,6 +198,15 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
         if hint and not (len(signatures) > 1 and {hint[0]} == {sig[0] for sig in signatures}):
             sentences.append(hint[1])
     if not busy and not can_complete and waiting_groups and not perhaps_busy:
+        certain = True
+    receiving = [r for r in busy if _blocked_in_p2p(answers[r]) == "recv"]
+    if receiving and len(receiving) == len(busy) and not can_complete and not perhaps_busy:
+        # a rank in send may be in the middle of a long transfer; one in recv waits for a rank that
+        # is itself waiting in a collective or a recv, so nothing will ever be sent
+        one = len(receiving) == 1
+        sentences.append(f"{rank_list(receiving)} wait{'s' if one else ''} in recv() at "
+                         f"{_where(answers[receiving[0]])}, a point-to-point call, and every other rank "
+                         "waits in a collective or a recv: no rank is left to send.")
         certain = True
     return sentences, certain
 
