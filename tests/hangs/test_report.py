@@ -109,3 +109,12 @@ def test_a_recv_beside_a_send_or_a_busy_rank_may_still_complete(other):
         answers[2] = _state(2, where="data.py:5 in load()")
     report = _report(answers)
     assert not report["certain"] and "no rank is left to send" not in report["text"]
+
+
+def test_a_rank_that_exited_without_shutdown_is_named_with_its_last_collective():
+    answers = {0: _state(0, [_item(8)], ranks=2)}
+    final = {"how": "exit", "where": "all_reduce #7 at train.py:48 in step()", "error": None, "groups": []}
+    report = _report(answers, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
+    assert ("rank 1 has exited without ddpkit.shutdown(): its script ended or called sys.exit() while other "
+            "ranks still needed it (its last collective: all_reduce #7 at train.py:48 in step())") in report["text"]
+    assert report["certain"]

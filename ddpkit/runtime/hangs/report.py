@@ -101,7 +101,8 @@ def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) ->
             return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
         if final["how"] == "shutdown":
             return f"rank {rank} has left the job: it called ddpkit.shutdown() at {final['where']}"
-        return f"rank {rank} has exited: its script ended (its last collective: {final['where']})"
+        return (f"rank {rank} has exited without ddpkit.shutdown(): its script ended or called sys.exit() "
+                f"while other ranks still needed it (its last collective: {final['where']})")
     pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
     if info.get("exited"):
         return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
