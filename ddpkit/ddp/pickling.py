@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_requested
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
@@ -30,6 +31,7 @@ class PicklingSupport(nn.Module):
                                       "pickled or deep-copied. HINT: copy or save its .module instead.")
         state = super().__getstate__()
         del state["process_group"], state["reducer"]
+        state["_python_reducer"] = None  # its hooks are on the original's parameters
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -37,4 +39,9 @@ class PicklingSupport(nn.Module):
         as in torch, is not carried over."""
         super().__setstate__(state)
         self._join_group(default_group())
-        self.reducer = self._make_reducer(self._parameters_to_reduce()) if self.world_size > 1 else None
+        self.reducer = None
+        if self.world_size > 1 and python_reducer_requested():  # as the constructor chooses
+            self._python_reducer = PythonReducer(self, [p for _, p in self._parameters_to_reduce()],
+                                                 self.process_group)
+        elif self.world_size > 1:
+            self.reducer = self._make_reducer(self._parameters_to_reduce())

@@ -257,3 +257,22 @@ def test_compiled_autograd_with_a_reducer_is_refused_in_torchs_words():
         phrase = "Compiled autograd is not compatible with"
         assert phrase in out["torch"] and "DDP Reducer" in out["torch"], out["torch"]
         assert phrase in out["ddpkit"] and "optimize_ddp" in out["ddpkit"], out["ddpkit"]
+
+
+def _python_reducer_copy_worker() -> list[torch.Tensor]:
+    """A deep copy of a DDP built in the python reducer's mode averages with hooks of its own."""
+    import copy
+
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    ddp = copy.deepcopy(ddpkit.DDP(nn.Linear(3, 2)))
+    assert ddp.reducer is None and ddp._python_reducer is not None
+    ddp(torch.full((1, 3), float(dist.get_rank()))).sum().backward()
+    return [p.grad for p in ddp.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_in_the_python_reducers_mode_averages_too():
+    first, second = run_ranks(_python_reducer_copy_worker, 2, timeout=100)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(first[0], torch.full((2, 3), 0.5))  # inputs 0 and 1, averaged
