@@ -33,7 +33,7 @@ from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
-from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_requested
+from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.state_sync import broadcast_coalesced, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
@@ -135,9 +135,9 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         if self.world_size > 1 and named:
             if init_sync:
                 self._broadcast_states(src=0, buffers=buffer_sync.init)
-            if python_reducer_requested():  # torch's mode for compiled autograd: no reducer, no buckets
-                self._python_reducer = PythonReducer(self, [p for _, p in named], self.process_group)
-            else:
+            # torch's mode for compiled autograd: no reducer, no buckets
+            self._python_reducer = python_reducer_for(self, [p for _, p in named])
+            if self._python_reducer is None:
                 self.reducer = self._make_reducer(named)
         if self.mixed_precision is not None:  # after the broadcast, so every rank casts the same values
             mp.cast_buffers(module, self.mixed_precision, self.parameters_to_ignore)

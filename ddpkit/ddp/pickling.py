@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_requested
+from ddpkit.ddp.python_reducer import python_reducer_for
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
@@ -40,8 +40,8 @@ class PicklingSupport(nn.Module):
         super().__setstate__(state)
         self._join_group(default_group())
         self.reducer = None
-        if self.world_size > 1 and python_reducer_requested():  # as the constructor chooses
-            self._python_reducer = PythonReducer(self, [p for _, p in self._parameters_to_reduce()],
-                                                 self.process_group)
-        elif self.world_size > 1:
-            self.reducer = self._make_reducer(self._parameters_to_reduce())
+        if self.world_size > 1:  # as the constructor chooses
+            named = self._parameters_to_reduce()
+            self._python_reducer = python_reducer_for(self, [p for _, p in named])
+            if self._python_reducer is None:
+                self.reducer = self._make_reducer(named)

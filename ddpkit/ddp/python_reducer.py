@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["PythonReducer", "python_reducer_requested"]
+__all__ = ["PythonReducer", "python_reducer_for", "python_reducer_requested"]
 
 
 def python_reducer_requested() -> bool:
@@ -29,19 +29,26 @@ def python_reducer_requested() -> bool:
     return get_optimize_ddp_mode() == "python_reducer"
 
 
+def python_reducer_for(ddp: Any, params: Sequence[torch.Tensor]) -> PythonReducer | None:
+    """The python reducer of ``ddp`` over ``params`` when Dynamo asks for one, else None (the caller
+    builds its bucket reducer): the one choice for the constructor and an unpickled copy alike."""
+    return PythonReducer(ddp, params, ddp.process_group) if python_reducer_requested() else None
+
+
 class PythonReducer:
     """One gradient hook per parameter: average ``param.grad`` over ``group`` as soon as it is ready."""
 
     def __init__(self, ddp: Any, params: Sequence[torch.Tensor], group: Any) -> None:
+        import torch.distributed._functional_collectives as fcol  # once, not per gradient
+
         self._ddp = weakref.ref(ddp)  # the hooks live on the parameters, which outlive no DDP
+        self._all_reduce = fcol.all_reduce
         self.group = group
         self.comm_hooks: list[tuple[Callable, Any]] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                         for p in params if p.requires_grad]
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        import torch.distributed._functional_collectives as fcol
-
         ddp = self._ddp()
         if ddp is None or not ddp.require_backward_grad_sync or param.grad is None:
             return
@@ -50,4 +57,4 @@ class PythonReducer:
                 hook(state, (param.grad, param))
             return
         gradient = param.grad / dist.get_world_size(self.group)
-        param.grad.copy_(fcol.all_reduce(gradient, "sum", self.group))
+        param.grad.copy_(self._all_reduce(gradient, "sum", self.group))

@@ -157,9 +157,10 @@ def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "ob
     elif node.keys is not None:  # a dataclass: its init fields, by name
         columns = [[getattr(o, name) for o in objs] for name in node.keys]
     else:
-        if not all(_node(o) is not None and _node(o).keys is None and len(o) == len(first) for o in objs):
-            found = [f"{type(o).__name__} of {len(o)}" if _node(o) is not None else type(o).__name__
-                     for o in objs]
+        nodes = [_node(o) for o in objs]
+        if not all(n is not None and n.keys is None and len(o) == len(first) for n, o in zip(nodes, objs)):
+            found = [f"{type(o).__name__} of {len(o)}" if n is not None else type(o).__name__
+                     for n, o in zip(nodes, objs)]
             raise ValueError(f"all {what} must be {type(first).__name__}s of the same length, but found {found}")
         columns = [list(column) for column in zip(*objs, strict=True)]
     return node.rebuild([join(fn, column, what=what) for column in columns])
