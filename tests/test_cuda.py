@@ -97,10 +97,25 @@ SHARED_GPU_CONFIGS = [
 ]
 
 
-def _shared_gpu_training(configs: list[dict]) -> dict[str, float]:
+def _control_tensors_on_the_gpu() -> None:
+    """Make this rank's reducer treat its Gloo group as NCCL-only (torch's init_process_group("nccl")):
+    the status flag, the used map and the rebuilt bucket order then travel as CUDA tensors."""
+    import ddpkit.ddp.bucket_layout
+    import ddpkit.ddp.collectives
+
+    def on_the_gpu(group):
+        return torch.device("cuda", 0)
+
+    ddpkit.ddp.collectives.comm_device = on_the_gpu
+    ddpkit.ddp.bucket_layout.comm_device = on_the_gpu
+
+
+def _shared_gpu_training(configs: list[dict], nccl_only: bool = False) -> dict[str, float]:
     """Per configuration, the largest difference between ddpkit's and torch's DDP after training."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    if nccl_only:
+        _control_tensors_on_the_gpu()
     device = torch.device("cuda", 0)
     rank = dist.get_rank()
     results = {}
@@ -130,8 +145,34 @@ def _shared_gpu_training(configs: list[dict]) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-def test_two_ranks_sharing_one_gpu_over_gloo_train_like_torch_ddp():
-    """The reducer on CUDA tensors across ranks: buckets, bucket views, unused parameters, hooks."""
-    for results in run_ranks(_shared_gpu_training, 2, args=(SHARED_GPU_CONFIGS,), timeout=280):
+@pytest.mark.parametrize("nccl_only", [False, True], ids=["cpu_and_cuda_group", "cuda_only_group"])
+def test_two_ranks_sharing_one_gpu_over_gloo_train_like_torch_ddp(nccl_only):
+    """The reducer on CUDA tensors across ranks: buckets, bucket views, unused parameters, hooks; also
+    with every small tensor of the reducer on the GPU, as a group that carries CUDA tensors only needs."""
+    for results in run_ranks(_shared_gpu_training, 2, args=(SHARED_GPU_CONFIGS, nccl_only), timeout=280):
         for cfg in SHARED_GPU_CONFIGS:
             assert results[cfg["name"]] <= cfg.get("tolerance", 1e-5), (cfg["name"], results[cfg["name"]])
+
+
+def _lacking_gradients_on_the_gpu(nccl_only: bool) -> str:
+    if nccl_only:
+        _control_tensors_on_the_gpu()
+    ddp = ddpkit.DistributedDataParallel(_Net().cuda(), device_ids=[0])
+    rank = dist.get_rank()
+    for step in range(3):
+        out = ddp(torch.randn(4, 256, device="cuda"), use_some=True)
+        if step == 2 and rank == 1:  # rank 1 leaves `some` without a gradient in its third step
+            out = ddp.module.small(ddp.module.bn(ddp.module.big(torch.randn(4, 256, device="cuda"))))
+        try:
+            out.square().mean().backward()
+        except ddpkit.UnusedParametersError as e:
+            return f"step {step}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nccl_only", [False, True], ids=["cpu_and_cuda_group", "cuda_only_group"])
+def test_a_rank_lacking_gradients_on_the_gpu_raises_on_every_rank(nccl_only):
+    for rank, message in enumerate(run_ranks(_lacking_gradients_on_the_gpu, 2, args=(nccl_only,), timeout=100)):
+        assert message.startswith("step 2: "), (rank, message)
+        assert "rank 1: 'some.weight', 'some.bias'" in message and f"(this is rank {rank})" in message

@@ -36,6 +36,10 @@ def _build_parser() -> argparse.ArgumentParser:
                              "--json and --plot files then named FILE.nN.ext (default 2)")
     parser.add_argument("--backend", default=None,
                         help="process-group backend (default nccl with CUDA, else gloo)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the models and gradients live (default cuda with nccl, else cpu); "
+                             "--backend gloo --device cuda puts several ranks on one GPU, the reducer's "
+                             "CUDA path")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats: rounds over the DDP variants (default 40) and per "
@@ -129,9 +133,15 @@ def parse_args(argv: list[str], nproc: int | None = None):
         print("ddpkit bench: note: with --nproc 1 there is no communication to measure.",
               file=sys.stderr)
     backend = args.backend or _default_backend()
-    on_cpu = backend == "gloo" or not _cuda()
+    if args.device == "cuda" and not _cuda():
+        parser.error("--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() "
+                     "is False).")
+    if args.device == "cpu" and backend == "nccl":
+        parser.error("--device cpu with --backend nccl: NCCL reduces CUDA tensors only. "
+                     "HINT: --backend gloo for CPU tensors.")
+    on_cpu = args.device != "cuda" and (backend == "gloo" or not _cuda())
     return BenchConfig(
-        nproc=args.nproc, backend=backend, quick=args.quick,
+        nproc=args.nproc, backend=backend, device=args.device, quick=args.quick,
         repeats=args.repeats or (3 if args.quick else 40),
         coll_repeats=args.repeats or (3 if args.quick else 20),
         steps=args.steps or (2 if args.quick else 3), models=models, bucket_models=bucket_models,

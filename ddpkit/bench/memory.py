@@ -120,7 +120,10 @@ def _trim_heap() -> None:
 
 
 def _ddpkit_buckets(ddp) -> dict[int, int]:
-    """The storages of ddpkit's bucket buffers (a gradient reduced in place has none of its own)."""
+    """The storages of ddpkit's bucket buffers (a gradient reduced in place has none of its own; in a
+    world of one there is no reducer and no bucket)."""
+    if ddp.reducer is None:
+        return {}
     flats = [b.flat for b in ddp.reducer.buckets if not b.sparse and b.flat.numel()]
     return {f.untyped_storage().data_ptr(): f.untyped_storage().nbytes() for f in flats}
 

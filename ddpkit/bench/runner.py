@@ -23,6 +23,8 @@ class BenchConfig:
 
     nproc: int = 2
     backend: str = "gloo"
+    device: str | None = None
+    """``cuda`` or ``cpu``; None: the device ``ddpkit.init`` picks for the backend."""
     quick: bool = False
     repeats: int = 40
     coll_repeats: int = 20
@@ -58,7 +60,7 @@ def rank_main(rank: int, config: BenchConfig, port: int) -> None:
 
     try:
         env = ddpkit.init(backend=config.backend, timeout=timedelta(seconds=config.timeout))
-        results = run_tables(config, env.device)
+        results = run_tables(config, _rank_device(config, env.device, rank))
         if rank == 0:
             _write_outputs(config, results)
     except BaseException:
@@ -74,6 +76,17 @@ def rank_main(rank: int, config: BenchConfig, port: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _rank_device(config: BenchConfig, chosen: torch.device, rank: int) -> torch.device:
+    """The device of ``config.device``; several Gloo ranks share the GPUs there are, round robin."""
+    if config.device is None or config.device == chosen.type:
+        return chosen
+    if config.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def _print(text: str) -> None:

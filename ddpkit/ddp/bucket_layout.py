@@ -16,6 +16,7 @@ from ddpkit.ddp.bucket import Bucket, assign_buckets
 from ddpkit.ddp.inplace_bucket import InPlaceBucket
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.ddp.sparse_bucket import SparseBucket
+from ddpkit.runtime.comm import comm_device
 
 __all__ = ["BucketLayout", "initial_groups", "rebuilt_groups"]
 
@@ -85,7 +86,8 @@ class BucketLayout:
 
     def rebuild(self, group: Any, hooked: bool) -> None:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
-        order = torch.tensor(self.rebuild_order(), dtype=torch.int64)
+        # on the device the group reduces on: an NCCL-only group carries no CPU tensor
+        order = torch.tensor(self.rebuild_order(), dtype=torch.int64, device=comm_device(group))
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
         alone = [] if hooked else self.in_place
         groups = rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,

@@ -18,7 +18,7 @@ from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.errors import unused_gradient_error
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
-from ddpkit.runtime.comm import all_gather_object
+from ddpkit.runtime.comm import all_gather_object, comm_device
 from ddpkit.runtime.hangs.recorder import release_finished
 
 __all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]
@@ -47,8 +47,19 @@ class Collectives:
         backend = dist.get_backend(group)
         self.split_large = device.type == "cpu" and ("gloo" in backend or backend == "undefined")
         self.split_bytes = split_bytes
+        # the tail's small tensors (status flag, used map) go where the group reduces: CUDA for an
+        # NCCL-only group (torch's init_process_group("nccl")), else the CPU
+        self.control_device = comm_device(group)
+        # CUDA buckets on a group that carries CPU tensors too: the status flag is a CPU collective of
+        # its own, so reading it waits for no GPU work (see Note [Errors on every rank])
+        self.cpu_status = device.type != "cpu" and self.control_device.type == "cpu"
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
+
+    @property
+    def status_in_bucket(self) -> bool:
+        """Whether the status flag rides in the last bucket's all-reduce (else in the tail)."""
+        return self.comm_hook is None and not self.cpu_status
 
     def set_comm_hook(self, state: Any, hook: CommHook) -> None:
         if self.comm_hook is not None:
@@ -143,10 +154,10 @@ class Collectives:
     def _launch_tail(self, used_map: Callable[[], torch.Tensor] | None, missing: bool) -> Tail:
         """The collective after the buckets: the used map, or a status flag when a comm hook hides ours."""
         if used_map is not None:
-            used = used_map()  # reduced in place
+            used = used_map().to(self.control_device)  # reduced in place
             return used, dist.all_reduce(used, group=self.group, async_op=True)
-        if self.comm_hook is not None:
-            status = torch.tensor([int(missing)], dtype=torch.int32)
+        if not self.status_in_bucket:
+            status = torch.tensor([int(missing)], dtype=torch.int32, device=self.control_device)
             return status, dist.all_reduce(status, group=self.group, async_op=True)
         return None  # the status flag rides in the last bucket: set it before that bucket launched
 

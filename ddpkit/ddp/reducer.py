@@ -259,7 +259,7 @@ class Reducer:
         if it.counting:  # every parameter whose hook fired is ready now
             it.mark_ready(self.usage.counted())
         missing = it.missing()
-        if not it.tolerant and self.collectives.comm_hook is None:
+        if not it.tolerant and self.collectives.status_in_bucket:
             self.layout.buckets[-1].flag.fill_(1)  # tell every rank, through the last bucket's all-reduce
         it.mark_unused(missing)
         self._mark_bucket_ready(it)

@@ -115,7 +115,7 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Return rank ``src``'s ``obj`` (any picklable object) on every rank; ``src`` as in broadcast."""
     if _check_src(src, group, "broadcast_object") == 1:
         return obj
-    device = _comm_device(group)
+    device = comm_device(group)
     sending = dist.get_rank() == src
     payload = _to_bytes_tensor(obj) if sending else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
@@ -139,7 +139,7 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's ``obj`` (any picklable object), in rank order."""
     if _world_size(group, "all_gather_object") == 1:
         return [obj]
-    device = _comm_device(group)
+    device = comm_device(group)
     return [_from_bytes_tensor(t) for t in all_gather(_to_bytes_tensor(obj).to(device), group=group)]
 
 
@@ -241,7 +241,7 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def _comm_device(group) -> torch.device:
+def comm_device(group) -> torch.device:
     """Where a tensor must be for this group's collectives: NCCL reduces CUDA tensors only."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

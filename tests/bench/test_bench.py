@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddpkit.bench.cli import parse_all, parse_args
 from ddpkit.bench.collectives import alg_bandwidth, bus_bandwidth, message_sizes, repeats_for
@@ -165,12 +166,35 @@ def test_statistics_and_formatting():
     (["--models", "huge"], "--models"),
     (["--tables", "nope"], "--tables"),
     (["--nproc", "0"], "--nproc"),
+    (["--backend", "nccl", "--device", "cpu"], "NCCL reduces CUDA tensors only"),
+    (["--device", "tpu"], "--device"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_with_the_reason(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: this machine has no usable CUDA device" in capsys.readouterr().err
+
+
+def test_device_cuda_over_gloo_gives_each_rank_a_gpu_round_robin(monkeypatch):
+    from ddpkit.bench import runner
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    config = runner.BenchConfig(backend="gloo", device="cuda")
+    assert [runner._rank_device(config, torch.device("cpu"), r) for r in (0, 1)] == \
+        [torch.device("cuda", 0)] * 2
+    assert chosen == [torch.device("cuda", 0)] * 2
+    assert runner._rank_device(runner.BenchConfig(), torch.device("cpu"), 1) == torch.device("cpu")
 
 
 def test_nproc_takes_a_list_of_world_sizes_one_run_and_one_json_each(tmp_path):
@@ -258,3 +282,11 @@ def test_tensor_peak_is_the_running_sum_in_time_order():
     # given out of order: at t=1 +5, t=2 +3 (peak 8), t=3 -6, t=4 +4 (6), t=5 -6
     assert running_peak([(3, -6), (1, 5), (5, -6), (2, 3), (4, 4)]) == (8, 0)
     assert running_peak([]) == (0, 0)
+
+
+def test_memory_table_in_a_world_of_one_finds_no_bucket_rather_than_failing():
+    from types import SimpleNamespace
+
+    from ddpkit.bench.memory import _ddpkit_buckets
+
+    assert _ddpkit_buckets(SimpleNamespace(reducer=None)) == {}  # world of one: DDP has no reducer

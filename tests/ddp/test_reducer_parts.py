@@ -277,3 +277,26 @@ def test_the_buckets_are_of_the_type_the_layout_is_given():
     layout = BucketLayout(_params(1, 2), 16, 16, as_view=False, rebuild=True, bucket_type=Tagged)
     assert layout.buckets and all(type(b) is Tagged for b in layout.buckets)
 
+
+
+def _status_flag_placement(cuda_only: bool) -> tuple:
+    import torch.distributed as dist
+
+    import ddpkit.ddp.collectives as collectives
+
+    if cuda_only:  # as for torch's init_process_group("nccl"), whose group refuses CPU tensors
+        collectives.comm_device = lambda group: torch.device("cuda", 0)
+    cpu = collectives.Collectives(dist.group.WORLD, torch.device("cpu"))
+    gpu = collectives.Collectives(dist.group.WORLD, torch.device("cuda", 0))  # no CUDA needed to build
+    return cpu.status_in_bucket, gpu.status_in_bucket, str(gpu.control_device)
+
+
+@pytest.mark.parametrize("cuda_only, expected", [
+    (False, (True, False, "cpu")),  # CUDA buckets: the flag is a CPU collective, read without a GPU sync
+    (True, (True, True, "cuda:0")),  # a group without CPU tensors: the flag rides in the last bucket
+])
+def test_the_status_flag_of_cuda_buckets_waits_for_no_gpu_work_where_the_group_carries_cpu_tensors(
+        cuda_only, expected):
+    from ranks import run_ranks
+
+    assert run_ranks(_status_flag_placement, 1, args=(cuda_only,), timeout=30) == [expected]
