@@ -38,13 +38,19 @@ class BucketLayout:
         in_place_bytes: a CPU gradient of this many bytes or more is reduced where it lies, in an
             ``InPlaceBucket`` of its own, wherever the layout is ddpkit's own (no comm hook, no
             ``as_view``, no ``cap_list``); 0: never. See Note [Big gradients in place].
+        own_cap: the cap this rank would give ddpkit's own CPU buckets (no comm hook) from the
+            rebuild on, where rank 0's choice, broadcast with the order, holds on every rank; before
+            it (and without a rebuild), ``cap_bytes``.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
-                 like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int = 0):
+                 like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int = 0,
+                 own_cap: int | None = None):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
+        self.own_cap: int | None = None  # every rank's, the same: the cap until the rebuild
+        self._own_cap_wanted = cap_bytes if own_cap is None else own_cap
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
@@ -68,7 +74,7 @@ class BucketLayout:
         self._alone = [] if hooked else self.in_place
         self.build(initial_groups(self.params, self.cap, self.first_cap, hooked=hooked or self.like_torch,
                                   rebuilt_later=self._rebuild_planned, cap_list=self.cap_list,
-                                  sparse=self.sparse, alone=self._alone))
+                                  sparse=self.sparse, alone=self._alone, own_cap=self.own_cap))
 
     def expect_rebuild(self) -> None:
         """Rebuild after all (static_graph turned on late): record the order from now on. No
@@ -87,12 +93,15 @@ class BucketLayout:
     def rebuild(self, group: Any, hooked: bool) -> None:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         # on the device the group reduces on: an NCCL-only group carries no CPU tensor
-        order = torch.tensor(self.rebuild_order(), dtype=torch.int64, device=comm_device(group))
+        # rank 0's own cap rides behind the order: the ranks' buckets must match, their cores may not
+        order = torch.tensor(self.rebuild_order() + [self._own_cap_wanted], dtype=torch.int64,
+                             device=comm_device(group))
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
+        *order, self.own_cap = order.tolist()
         alone = [] if hooked else self.in_place
-        groups = rebuilt_groups(self.params, order.tolist(), self.cap, self.first_cap,
+        groups = rebuilt_groups(self.params, order, self.cap, self.first_cap,
                                 hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,
-                                alone=alone)
+                                alone=alone, own_cap=self.own_cap)
         # in ddpkit's own layout, the same parameters in the same buckets: keeping them spares a
         # second set of gradients (with views, the old buckets hold them while they move); a hook
         # registered later still sees the new order. torch's layout (a hook, cap_list, like_torch)
@@ -160,7 +169,7 @@ class BucketLayout:
 
 def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
                    rebuilt_later: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   alone: Sequence[bool] = ()) -> list[list[int]]:
+                   alone: Sequence[bool] = (), own_cap: int | None = None) -> list[list[int]]:
     """The buckets before the rebuild, each listing its parameters in registration order.
 
     Without a comm hook: filled in reverse registration order (the expected order of gradients),
@@ -170,13 +179,13 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
     With ``cap_list`` (torch's ``bucket_cap_mb_list``), torch's own always: those caps in
     registration order, launched last first. ``sparse``: see ``assign_buckets``. ``alone[i]``:
     parameter ``i`` is reduced in place, so a bucket of its own, and the buckets go in the order
-    they close (see ``_alone``); only without a hook.
+    they close (see ``_alone``); only without a hook. ``own_cap``: see ``BucketLayout``.
     """
     registration = list(range(len(params)))
     if cap_list:
         return assign_buckets(params, registration, cap, caps=cap_list, sparse=sparse)[::-1]
     if not hooked:
-        groups = assign_buckets(params, registration[::-1], cap, _first_cap(params, cap, first_cap, hooked),
+        groups = assign_buckets(params, registration[::-1], *_caps(params, cap, first_cap, hooked, own_cap),
                                 sparse=_alone(sparse, alone), in_closing_order=any(alone))
         return [sorted(indices) for indices in groups]
     if rebuilt_later:
@@ -186,13 +195,13 @@ def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, 
 
 def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: int, first_cap: int,
                    *, hooked: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   alone: Sequence[bool] = ()) -> list[list[int]]:
+                   alone: Sequence[bool] = (), own_cap: int | None = None) -> list[list[int]]:
     """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
     ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds. With sparse gradients,
     in torch's rebuilt order: a sparse bucket goes where its gradient arrived, before a bucket
     still filling; ``hooked``: in torch's order, which a comm hook sees through ``bucket.index()``
-    and ``is_last()``, with several dtypes too. ``alone``: see ``initial_groups``."""
-    return assign_buckets(params, order, cap, _first_cap(params, cap, first_cap, hooked), caps=cap_list,
+    and ``is_last()``, with several dtypes too. ``alone``, ``own_cap``: see ``initial_groups``."""
+    return assign_buckets(params, order, *_caps(params, cap, first_cap, hooked, own_cap), caps=cap_list,
                           sparse=_alone(sparse, alone), in_closing_order=any(sparse) or any(alone),
                           as_torch_rebuilds=hooked)
 
@@ -206,12 +215,16 @@ def _alone(sparse: Sequence[bool], in_place: Sequence[bool]) -> Sequence[bool]:
     return [bool(sparse and sparse[i]) or own for i, own in enumerate(in_place)]
 
 
-def _first_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool) -> int:
-    """torch's small first bucket, except on CPU without a comm hook.
+def _caps(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool,
+          own_cap: int | None) -> tuple[int, int]:
+    """(cap, first cap): torch's, with its small first bucket, except on CPU without a comm hook.
 
     On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
     launched during backward preempts it, which the 1 MiB it overlaps does not pay back. So every
-    CPU bucket holds up to the cap; models above it still overlap. See Note [Bucket layout on CPU]
-    in docs/design.md.
+    CPU bucket holds up to ``own_cap`` (the cap, or less where Gloo has cores of its own: see
+    ``cpu_share``); models above it still overlap. See Note [Bucket layout on CPU] in docs/design.md.
     """
-    return cap if params[0].device.type == "cpu" and not hooked else first_cap
+    if params[0].device.type == "cpu" and not hooked:
+        own = cap if own_cap is None else own_cap
+        return own, own
+    return cap, first_cap

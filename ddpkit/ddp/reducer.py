@@ -28,6 +28,7 @@ from ddpkit.ddp.autograd_engine import (
 from ddpkit.ddp.bucket import Bucket, copy_in, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
+from ddpkit.ddp.cpu_share import own_cpu_cap
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.profiling import bucket_range, profiled
@@ -63,12 +64,12 @@ class Reducer:
         self.skip_unused = skip_unused and find_unused_parameters  # on torch's buckets, as it promises
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
                                     static_graph=static_graph)
-        # rebuilt once, in the order gradients arrived; as torch, not where it may change (find_unused)
+        # rebuilt once in arrival order, not where it may change (find_unused); none in place with a used map
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
-                                   # not where a used map may leave a .grad alone
-                                   in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes)
+                                   in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
+                                   own_cap=own_cpu_cap(cap_bytes, first_cap_bytes, self.world_size))
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch

@@ -1,0 +1,55 @@
+"""Whether a rank's Gloo threads have cores of their own beside backward: the CPU bucket layout
+depends on it (see Note [Bucket layout on CPU] in docs/design.md)."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ddpkit.runtime.environments.threads import available_cores
+
+__all__ = ["SPARE_CORES_CAP_BYTES", "own_cpu_cap", "spare_cores_per_rank"]
+
+SPARE_CORES_CAP_BYTES = 5 << 20
+"""With spare cores and the default cap, buckets of small CPU gradients close at this size."""
+
+
+def spare_cores_per_rank(world_size: int) -> float:
+    """This rank's share of the host's cores less its intra-op threads; below 1 when backward's
+    threads fill every core. Unsure how many ranks share the host, it assumes all of them do."""
+    return _host_cores() / _local_ranks(world_size) - torch.get_num_threads()
+
+
+def _local_ranks(world_size: int) -> int:
+    try:
+        from ddpkit.runtime.env import detect
+
+        env = detect()
+        if env.launcher != "single" and env.world_size == world_size:
+            return max(1, env.local_world_size)
+    except ValueError:  # launcher variables that contradict each other: init() reports those
+        pass
+    return max(1, world_size)
+
+
+def _host_cores() -> float:
+    """The affinity mask's cores, fewer where a cgroup quota (docker --cpus) allows less."""
+    cores = float(available_cores())
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1.0, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores if cores > 0 else float(os.cpu_count() or 1)
+
+
+def own_cpu_cap(cap: int, first_cap: int, world_size: int) -> int:
+    """The cap of ddpkit's own CPU buckets: ``cap``; with the default cap (the one with a smaller
+    first bucket) and a core to spare per rank, ``SPARE_CORES_CAP_BYTES``, so that buckets of small
+    gradients launch during backward, where Gloo's threads then overlap it instead of preempting it."""
+    if first_cap < cap and spare_cores_per_rank(world_size) >= 1:
+        return min(cap, SPARE_CORES_CAP_BYTES)
+    return cap

@@ -1,0 +1,91 @@
+"""The CPU bucket cap where Gloo's threads have cores to spare: which cap, and rank 0's choice holds on
+every rank (buckets that differ between ranks would sum different gradients)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+
+from ddpkit.ddp import cpu_share
+from ddpkit.ddp.arguments import bucket_caps
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("spare, bucket_cap_mb, expected_mib", [
+    (7.0, None, 5),  # default cap, cores to spare: small buckets that overlap backward
+    (1.0, None, 5),
+    (0.0, None, 25),  # backward's threads fill the cores: every bucket to the cap
+    (0.5, None, 25),
+    (7.0, 25, 25),  # a cap the caller chose is kept, even 25
+    (7.0, 2, 2),
+])
+def test_the_own_cpu_cap_is_smaller_only_with_the_default_cap_and_a_core_to_spare(
+        monkeypatch, spare, bucket_cap_mb, expected_mib):
+    monkeypatch.setattr(cpu_share, "spare_cores_per_rank", lambda world_size: spare)
+    assert cpu_share.own_cpu_cap(*bucket_caps(bucket_cap_mb), world_size=2) == expected_mib * MIB
+
+
+@pytest.mark.parametrize("environ, cores, threads, world_size, expected", [
+    ({"LOCAL_WORLD_SIZE": "2"}, 16, 1, 2, 7.0),  # torchrun's OMP_NUM_THREADS=1 on 16 cores
+    ({"LOCAL_WORLD_SIZE": "2"}, 16, 8, 2, 0.0),  # ddpkit run's share of the cores: none to spare
+    ({"LOCAL_WORLD_SIZE": "2"}, 2, 1, 2, 0.0),  # this project's 2-core machine
+    ({}, 16, 1, 4, 3.0),  # no launcher variables: every rank is taken to be on this host
+])
+def test_spare_cores_are_the_ranks_share_less_its_threads(monkeypatch, environ, cores, threads,
+                                                         world_size, expected):
+    launched = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": "h",
+                "MASTER_PORT": "1", "GROUP_RANK": "0"} if environ else {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**launched, **environ}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu_share, "_host_cores", lambda: float(cores))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert cpu_share.spare_cores_per_rank(world_size) == expected
+
+
+class _ManySmall(torch.nn.Module):
+    """14 MiB of 1 MiB gradients, none big enough to be reduced in place: one bucket at the 25 MiB
+    cap, three at 5 MiB."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(14)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _rank_zero_chooses_the_cap(spare_on: list[int]) -> dict:
+    import ddpkit.ddp.reducer
+
+    rank = dist.get_rank()
+    chosen = cpu_share.SPARE_CORES_CAP_BYTES if rank in spare_on else None
+    ddpkit.ddp.reducer.own_cpu_cap = lambda cap, first, world_size: chosen or cap
+    states, counts = [], []
+    for cls in (ddpkit.ddp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        ddp = cls(_ManySmall())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(8, 512, generator=data)).square().mean().backward()
+            opt.step()
+        if cls is ddpkit.ddp.DistributedDataParallel:
+            counts.append(len(ddp.reducer.buckets))
+        states.append([p.detach().clone() for p in ddp.parameters()])
+    diff = max((a - b).abs().max().item() for a, b in zip(*states))
+    return {"buckets": counts[0], "diff": diff}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spare_on, buckets", [([0], 3), ([1], 1), ([0, 1], 3)],
+                         ids=["rank0_spares_cores", "rank1_spares_cores", "both"])
+def test_every_rank_takes_rank_zeros_cap_and_trains_as_torch(spare_on, buckets):
+    for rank, out in enumerate(run_ranks(_rank_zero_chooses_the_cap, 2, args=(spare_on,), timeout=100)):
+        assert out["buckets"] == buckets, (rank, out)
+        assert out["diff"] <= 1e-5, (rank, out)
