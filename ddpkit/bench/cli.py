@@ -132,7 +132,7 @@ def parse_args(argv: list[str], nproc: int | None = None):
     if args.nproc < 2 and any(_TABLE_ALIASES[t] != "collectives" for t in tables):
         print("ddpkit bench: note: with --nproc 1 there is no communication to measure.",
               file=sys.stderr)
-    backend = args.backend or _default_backend()
+    backend = args.backend or ("gloo" if args.device == "cpu" else _default_backend())
     if args.device == "cuda" and not _cuda():
         parser.error("--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() "
                      "is False).")

@@ -154,8 +154,10 @@ class Collectives:
     def _launch_tail(self, used_map: Callable[[], torch.Tensor] | None, missing: bool) -> Tail:
         """The collective after the buckets: the used map, or a status flag when a comm hook hides ours."""
         if used_map is not None:
-            used = used_map().to(self.control_device)  # reduced in place
-            return used, dist.all_reduce(used, group=self.group, async_op=True)
+            local = used_map()  # reduced in place: a joined rank sends the last reduced map again
+            used = local.to(self.control_device)
+            work = dist.all_reduce(used, group=self.group, async_op=True)
+            return local, work if used is local else _CopiedBack(work, used, local)
         if not self.status_in_bucket:
             status = torch.tensor([int(missing)], dtype=torch.int32, device=self.control_device)
             return status, dist.all_reduce(status, group=self.group, async_op=True)
@@ -183,6 +185,17 @@ class Collectives:
 
 def _name_of(hook: Callable) -> str:
     return repr(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
+
+
+class _CopiedBack:
+    """A collective on a copy (a CUDA copy of a CPU tensor), whose result ``wait`` copies back."""
+
+    def __init__(self, work: Any, reduced: torch.Tensor, into: torch.Tensor):
+        self._work, self._reduced, self._into = work, reduced, into
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._into.copy_(self._reduced)
 
 
 class _AllWorks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Sequence
 
 import torch
 
@@ -34,22 +35,27 @@ def _local_ranks(world_size: int) -> int:
 
 
 def _host_cores() -> float:
-    """The affinity mask's cores, fewer where a cgroup quota (docker --cpus) allows less."""
+    """The affinity mask's cores, fewer where a cgroup v2 quota (docker --cpus) allows less."""
     cores = float(available_cores())
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()[:2]
-        if quota != "max":
+        if quota != "max" and int(period) > 0:
             cores = min(cores, max(1.0, math.floor(int(quota) / int(period))))
     except (OSError, ValueError):
         pass
     return cores if cores > 0 else float(os.cpu_count() or 1)
 
 
-def own_cpu_cap(cap: int, first_cap: int, world_size: int) -> int:
-    """The cap of ddpkit's own CPU buckets: ``cap``; with the default cap (the one with a smaller
+def own_cpu_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, world_size: int) -> int:
+    """The cap of ddpkit's own buckets of CPU ``params``: ``cap``; with the default cap (the one with a smaller
     first bucket) and a core to spare per rank, ``SPARE_CORES_CAP_BYTES``, so that buckets of small
-    gradients launch during backward, where Gloo's threads then overlap it instead of preempting it."""
-    if first_cap < cap and spare_cores_per_rank(world_size) >= 1:
-        return min(cap, SPARE_CORES_CAP_BYTES)
-    return cap
+    gradients launch during backward, where Gloo's threads then overlap it instead of preempting it.
+    A heuristic: whatever goes wrong in it leaves the cap as it is, never the constructor failing."""
+    if params[0].device.type != "cpu" or first_cap >= cap:
+        return cap
+    try:
+        spare = spare_cores_per_rank(world_size)
+    except Exception:  # noqa: BLE001 - an odd host must not stop training, nor one rank alone
+        return cap
+    return min(cap, SPARE_CORES_CAP_BYTES) if spare >= 1 else cap

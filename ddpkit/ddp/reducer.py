@@ -69,7 +69,7 @@ class Reducer:
                                    rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
-                                   own_cap=own_cpu_cap(cap_bytes, first_cap_bytes, self.world_size))
+                                   own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch

@@ -242,7 +242,18 @@ def barrier(group=None) -> None:
 
 
 def comm_device(group) -> torch.device:
-    """Where a tensor must be for this group's collectives: NCCL reduces CUDA tensors only."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where a tensor must be for this group's collectives: the CPU, unless the group has no backend
+    for CPU tensors (NCCL alone, named "nccl" or "cuda:nccl"); then the current GPU."""
+    if _carries_cpu(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _carries_cpu(group) -> bool:
+    types = getattr(group if group is not None else dist.group.WORLD, "_device_types", None)
+    if types is not None:  # the devices the group has a backend for (Gloo: both)
+        return any(torch.device(t).type == "cpu" for t in types)
+    backend = str(dist.get_backend(group))  # older torch: "nccl", "gloo", "cpu:gloo,cuda:nccl", ...
+    if ":" in backend:
+        return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    return backend != "nccl"

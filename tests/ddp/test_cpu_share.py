@@ -24,7 +24,17 @@ MIB = 1 << 20
 def test_the_own_cpu_cap_is_smaller_only_with_the_default_cap_and_a_core_to_spare(
         monkeypatch, spare, bucket_cap_mb, expected_mib):
     monkeypatch.setattr(cpu_share, "spare_cores_per_rank", lambda world_size: spare)
-    assert cpu_share.own_cpu_cap(*bucket_caps(bucket_cap_mb), world_size=2) == expected_mib * MIB
+    params = [torch.nn.Parameter(torch.ones(1))]
+    assert cpu_share.own_cpu_cap(params, *bucket_caps(bucket_cap_mb), world_size=2) == expected_mib * MIB
+
+
+def test_an_odd_host_leaves_the_cap_as_it_is_rather_than_failing_the_constructor(monkeypatch):
+    def broken(world_size):
+        raise ZeroDivisionError("a cgroup period of 0")
+
+    monkeypatch.setattr(cpu_share, "spare_cores_per_rank", broken)
+    params = [torch.nn.Parameter(torch.ones(1))]
+    assert cpu_share.own_cpu_cap(params, *bucket_caps(None), world_size=2) == 25 * MIB
 
 
 @pytest.mark.parametrize("environ, cores, threads, world_size, expected", [
@@ -64,7 +74,7 @@ def _rank_zero_chooses_the_cap(spare_on: list[int]) -> dict:
 
     rank = dist.get_rank()
     chosen = cpu_share.SPARE_CORES_CAP_BYTES if rank in spare_on else None
-    ddpkit.ddp.reducer.own_cpu_cap = lambda cap, first, world_size: chosen or cap
+    ddpkit.ddp.reducer.own_cpu_cap = lambda params, cap, first, world_size: chosen or cap
     states, counts = [], []
     for cls in (ddpkit.ddp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
         torch.manual_seed(0)

@@ -300,3 +300,15 @@ def test_the_status_flag_of_cuda_buckets_waits_for_no_gpu_work_where_the_group_c
     from ranks import run_ranks
 
     assert run_ranks(_status_flag_placement, 1, args=(cuda_only,), timeout=30) == [expected]
+
+
+def test_a_used_map_reduced_on_another_device_is_copied_back_into_the_ranks_own():
+    from types import SimpleNamespace
+
+    from ddpkit.ddp.collectives import _CopiedBack
+
+    local, reduced = torch.tensor([1, 0, 0], dtype=torch.int32), torch.tensor([2, 1, 0], dtype=torch.int32)
+    waited = []
+    _CopiedBack(SimpleNamespace(wait=lambda: waited.append(True)), reduced, local).wait()
+    # a joined rank sends its last *reduced* map again (Note [Join shadowing])
+    assert waited == [True] and local.tolist() == [2, 1, 0]

@@ -199,3 +199,24 @@ def _broadcast_in_a_group_of_one():
 @pytest.mark.timeout(60)
 def test_a_group_of_one_takes_its_members_global_rank_as_src():
     assert run_ranks(_broadcast_in_a_group_of_one, 2) == [None, 7.0]
+
+
+@pytest.mark.parametrize("device_types, backend, carries_cpu", [
+    (["cuda"], None, False),  # init_process_group("nccl") or ("cuda:nccl"): CUDA tensors only
+    (["cuda", "cpu"], None, True),  # Gloo (which carries CUDA tensors too), or cpu:gloo,cuda:nccl
+    (None, "nccl", False),  # a torch without ProcessGroup._device_types: the backend's name
+    (None, "cuda:nccl", False),
+    (None, "cpu:gloo,cuda:nccl", True),
+    (None, "gloo", True),
+])
+def test_tensors_for_a_group_go_on_the_cpu_only_where_it_has_a_cpu_backend(
+        monkeypatch, device_types, backend, carries_cpu):
+    from types import SimpleNamespace
+
+    from ddpkit.runtime import comm
+
+    group = SimpleNamespace() if device_types is None else SimpleNamespace(
+        _device_types=[torch.device(t) for t in device_types])
+    monkeypatch.setattr(comm.dist, "get_backend", lambda g: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert comm.comm_device(group) == (torch.device("cpu") if carries_cpu else torch.device("cuda", 0))
