@@ -196,9 +196,12 @@ def run_memory(model_names: list[str], quick: bool, device: torch.device, steps:
     runs = 1 if device.type == "cuda" else max(1, repeats)
     measured = [[in_fresh_processes(_measure, kind, model, quick, device, view, steps)
                  for model, kind, view in figures] for _ in range(runs)]
-    # the tensors' own peak (CPU only: on CUDA the peak above is the allocator's already)
-    tensors = [None] * len(figures) if device.type == "cuda" else [
-        in_fresh_processes(tensor_peak, kind, model, quick, device, view, steps) for model, kind, view in figures]
+    # the tensors' own peak (CPU only: on CUDA the peak above is the allocator's already); a quick
+    # run takes it for its first model only, each figure being a fresh process pair of its own
+    profiled = {model_names[0]} if quick else set(model_names)
+    tensors = [None if device.type == "cuda" or model not in profiled else
+               in_fresh_processes(tensor_peak, kind, model, quick, device, view, steps)
+               for model, kind, view in figures]
     rows = []
     for i in range(len(figures)):
         row = dict(measured[0][i])
@@ -231,7 +234,8 @@ def memory_table(rows: list[dict], world_size: int) -> Table:
                        "counted once); peak delta: above the level before the model was built (the first "
                        "backward allocates fresh grads either way); retained: held after the steps; "
                        "tensor peak: the most bytes held in tensors at once, from torch's allocator events "
-                       "(the profiler, a run of its own; CPU only), free of heap placement.")
+                       "(the profiler, a run of its own; CPU only; --quick: the first model only), free of "
+                       "heap placement.")
     table.notes.append("steps use zero_grad(set_to_none=False); with set_to_none=True autograd "
                        "allocates fresh grads every backward and the peak does not drop with the view.")
     ratios = peak_ratios(rows)

@@ -86,6 +86,8 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
             assert r["allreduce_bytes"] > 0
     assert {(r["model"], r["gradient_as_bucket_view"]) for r in data["memory_peak_ratios"]} == {
         (m, v) for m in FAMILY for v in (False, True)}
+    # the tensor peak (a profiled run of its own) for the first model only, in a quick run
+    assert {r["model"] for r in data["memory"] if r["tensor_peak_bytes"]} == {FAMILY[0]}
     for r in data["memory"]:
         assert r["peak_bytes"] > 0
         assert r["param_bytes"] > 0 and r["grad_bytes"] > 0 and r["accounted_bytes"] > 0
