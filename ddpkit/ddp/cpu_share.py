@@ -2,8 +2,6 @@
 depends on it (see Note [Bucket layout on CPU] in docs/design.md)."""
 from __future__ import annotations
 
-import math
-import os
 from typing import Sequence
 
 import torch
@@ -35,16 +33,8 @@ def _local_ranks(world_size: int) -> int:
 
 
 def _host_cores() -> float:
-    """The affinity mask's cores, fewer where a cgroup v2 quota (docker --cpus) allows less."""
-    cores = float(available_cores())
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max" and int(period) > 0:
-            cores = min(cores, max(1.0, math.floor(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores if cores > 0 else float(os.cpu_count() or 1)
+    """The affinity mask's cores, fewer where a cgroup quota (docker --cpus) allows less."""
+    return float(available_cores())
 
 
 def own_cpu_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, world_size: int) -> int:

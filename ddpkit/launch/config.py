@@ -20,6 +20,7 @@ from ddpkit.errors import explain
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.environments.ports import mpi_port, slurm_port
+from ddpkit.runtime.environments.threads import available_cores
 
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
@@ -164,14 +165,14 @@ def resolve_nproc_per_node(value: str) -> int:
     if text.isdigit() and int(text) > 0:
         return int(text)
     if text == "cpu":
-        return _cpu_count()
+        return available_cores()
     if text == "gpu":
         if not torch.cuda.is_available():
             raise ValueError(explain("--nproc-per-node gpu, but torch.cuda.is_available() is False.",
                                      "give a number, or 'auto' (one worker per CPU when there is no GPU)."))
         return torch.cuda.device_count()
     if text == "auto":
-        return torch.cuda.device_count() if torch.cuda.is_available() else _cpu_count()
+        return torch.cuda.device_count() if torch.cuda.is_available() else available_cores()
     raise ValueError(f"--nproc-per-node {value!r} is not a positive integer, 'auto', 'cpu' or 'gpu'.")
 
 
@@ -264,10 +265,3 @@ def _worker_command(args: argparse.Namespace) -> tuple[str, ...]:
     if args.module:
         return (sys.executable, "-u", "-m", args.training_script, *rest)
     return (sys.executable, "-u", args.training_script, *rest)
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

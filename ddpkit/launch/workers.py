@@ -17,6 +17,7 @@ import psutil
 from ddpkit.launch.logs import OutputPump
 from ddpkit.launch.signals import death_signal_preexec
 from ddpkit.logging import TERMINAL_VARIABLE
+from ddpkit.runtime.environments.threads import available_cores
 
 __all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers",
            "exit_code"]
@@ -64,11 +65,7 @@ def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, m
     else:
         env.pop(TERMINAL_VARIABLE, None)
     if not env.get("OMP_NUM_THREADS"):
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // place.local_world_size))
+        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // place.local_world_size))
     return env
 
 

@@ -7,8 +7,11 @@ rank they start takes the same share itself, in ``ddpkit.init()``. A user's OMP_
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping
+
+from ddpkit.runtime.environments.cpu_quota import cgroup_cpu_quota
 
 __all__ = ["available_cores", "thread_share"]
 
@@ -16,11 +19,14 @@ _SHARING_LAUNCHERS = ("slurm", "mpi")
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, which srun/mpirun/cgroups narrow)."""
+    """The cores this process may run on: its affinity mask (which srun, mpirun and cpusets narrow),
+    fewer where a cgroup CPU quota allows less time (``docker --cpus``, a Kubernetes CPU limit)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.floor(quota)))
 
 
 def thread_share(launcher: str, local_world_size: int, environ: Mapping[str, str],
