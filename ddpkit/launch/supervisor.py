@@ -177,7 +177,7 @@ class Supervisor:
         running = [w for w in workers if w.process.poll() is None]
         if running:
             _say(f"stopping workers: {signal.Signals(sig).name}, SIGKILL in "
-                 f"{self.config.grace_period:g} s")
+                 f"{self.config.grace_period:g} s (Ctrl-C: at once)")
         for worker in running:
             signal_worker(worker, sig)
         deadline = time.monotonic() + self.config.grace_period

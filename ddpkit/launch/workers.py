@@ -118,7 +118,11 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def signal_worker(worker: Worker, sig: int, *, tree: bool = True) -> None:
-    """Send ``sig`` to the worker, and with ``tree`` to its process group and all its descendants."""
+    """Send ``sig`` once to the worker, and with ``tree`` to its process group and all its descendants.
+
+    Once: a second SIGINT would interrupt the worker's own ``except KeyboardInterrupt`` cleanup.
+    The group's signal reaches every process still in it, so a descendant gets its own only if it
+    left the group (``setsid``)."""
     procs = _descendants(worker.pid) if tree else []
     worker.tree.update(p.pid for p in procs)
     if tree:
@@ -133,8 +137,9 @@ def signal_worker(worker: Worker, sig: int, *, tree: bool = True) -> None:
             pass
     for p in procs:
         try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
+            if os.getpgid(p.pid) != worker.pid:
+                p.send_signal(sig)
+        except (ProcessLookupError, psutil.NoSuchProcess):
             pass
 
 

@@ -486,3 +486,15 @@ def test_sigusr1_is_forwarded_and_sigint_stops_every_worker_and_child(job, tmp_p
     pids = job.pids()
     assert len(pids) == 4
     assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_reaches_each_worker_once_so_its_cleanup_runs_to_the_end(job, tmp_path):
+    launcher = job.start("--nproc-per-node", "2", "--grace-period", "20", WORKER, str(tmp_path), "sigint")
+    job.wait_for_files("pids_*.json", 2)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=30)
+    assert "SIGKILL in 20 s (Ctrl-C: at once)" in err
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"sigint_{rank}").read_text()) == {"count": 1}, err
+    assert_all_gone(job.pids())

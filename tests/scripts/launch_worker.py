@@ -21,6 +21,8 @@ so the test knows every process of the job. Modes:
 - ``mismatch``: ddpkit.init(backend="gloo"), an all-reduce, then one of 4 elements on rank 0 and 8 on
   the others: Gloo aborts the process.
 - ``block-on-node NODE``: the ranks of node NODE start a grandchild and block; the others succeed.
+- ``sigint``: count the SIGINTs this process gets in ``OUT_DIR/sigint_<rank>``; after the first, a
+  cleanup of up to 2 s that a second one would interrupt, then exit 130.
 
 Only ``allreduce`` and ``mismatch`` import torch, so the other modes start in a fraction of a second.
 """
@@ -71,6 +73,14 @@ def main() -> None:
     target = int(args[0]) if args and mode != "allreduce" else None
     if mode == "block":  # before the pid file: the test sends SIGUSR1 as soon as it sees that
         signal.signal(signal.SIGUSR1, lambda *_: _write(os.path.join(out, f"usr1_{rank}"), {}))
+    sigints: list[threading.Event] = [threading.Event(), threading.Event()]
+    if mode == "sigint":  # before the pid file: the test interrupts the launcher as soon as it sees that
+        def count(*_: object) -> None:
+            done = sum(e.is_set() for e in sigints)
+            _write(os.path.join(out, f"sigint_{rank}"), {"count": done + 1})
+            sigints[min(done, 1)].set()
+
+        signal.signal(signal.SIGINT, count)
     if mode == "block-on-node":
         mode = "block" if os.environ["GROUP_RANK"] == args[0] else "succeed"
     child = _grandchild() if mode == "block" or (mode == "fail" and rank == target) else None
@@ -124,6 +134,10 @@ def main() -> None:
         if attempt == "0":
             _block()
         _write(os.path.join(out, f"result_{rank}.json"), {"restart_count": attempt})
+    elif mode == "sigint":
+        sigints[0].wait()
+        sigints[1].wait(2.0)  # the cleanup of an `except KeyboardInterrupt:` a second one would cut short
+        sys.exit(130)
     elif mode != "succeed":
         _block()
 
