@@ -59,6 +59,16 @@ def test_a_rank_that_does_not_answer_and_is_gone_is_certain():
     assert report["certain"]
 
 
+def test_a_rank_gone_with_its_launcher_names_the_launcher_not_out_of_memory():
+    # ddpkit run and torchrun take their workers with them (SIGKILL) when they are killed
+    answers = {0: _state(0, [_item(5)], ranks=2)}
+    report = _report(answers, {1: {"pid": 4242, "host": "here", "final": None, "exited": True,
+                                   "parent": 4200, "parent_exited": True}})
+    assert ("rank 1 (pid 4242 on here) has died with the process that started it (pid 4200), which is gone "
+            "too: its launcher was killed") in report["text"]
+    assert "out of memory" not in report["text"] and report["certain"]
+
+
 @pytest.mark.parametrize("exited", [False, None])  # alive on this host; on another host, unknown
 def test_a_rank_that_does_not_answer_but_may_be_busy_is_not_killed(exited):
     # a long call that holds the GIL (a big pickle, a checkpoint's write) keeps its watchdog from answering

@@ -41,7 +41,8 @@ class Inquiry:
         self.store, self.rank, self.world_size = store, rank, world_size
 
     def introduce(self) -> None:
-        self._put(f"info/{self.rank}", {"pid": os.getpid(), "host": socket.gethostname()})
+        # the parent: a launcher (ddpkit run, torchrun) whose death takes its workers with it
+        self._put(f"info/{self.rank}", {"pid": os.getpid(), "host": socket.gethostname(), "parent": os.getppid()})
 
     def current(self) -> int:
         return self.store.add("inquiry", 0)
@@ -77,8 +78,10 @@ class Inquiry:
     def _known(self, rank: int) -> dict[str, Any]:
         info = self._get(f"info/{rank}") if self.store.check([f"info/{rank}"]) else {}
         final = self._get(f"final/{rank}") if self.store.check([f"final/{rank}"]) else None
-        return {"pid": info.get("pid"), "host": info.get("host"), "final": final,
-                "exited": pid_exited(info.get("pid"), info.get("host"))}
+        exited = pid_exited(info.get("pid"), info.get("host"))
+        return {"pid": info.get("pid"), "host": info.get("host"), "final": final, "exited": exited,
+                "parent": info.get("parent"),
+                "parent_exited": bool(exited and pid_exited(info.get("parent"), info.get("host")))}
 
     def publish_report(self, n: int, report: dict[str, Any]) -> None:
         self._put(f"report/{n}", report)
