@@ -234,8 +234,8 @@ def test_a_rendezvous_that_times_out_says_where_and_how_long(monkeypatch):
     error = caught.value
     assert (error.address, error.timeout) == (f"127.0.0.1:{store.port}", 1.0)
     assert str(error) == (
-        f"rendezvous at 127.0.0.1:{store.port} timed out after 1 s: only 1 of WORLD_SIZE=3 ranks joined "
-        "(this is rank 0). HINT: a rank failed to start or was launched with a different "
+        f"rendezvous at 127.0.0.1:{store.port} timed out after 1 s: only 1 of WORLD_SIZE=3 ranks joined, "
+        "missing: ranks 1, 2 (this is rank 0). HINT: a rank failed to start or was launched with a different "
         "MASTER_ADDR/MASTER_PORT or WORLD_SIZE.")
 
 

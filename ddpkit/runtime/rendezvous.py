@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ddpkit.errors import RendezvousError, explain
 from ddpkit.runtime.environments.dist_env import DistEnv
 from ddpkit.runtime.environments.job import job_id
+from ddpkit.runtime.hangs.report import rank_list
 from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
 from ddpkit.runtime.port_holder import describe_holder
 
@@ -29,6 +30,7 @@ __all__ = ["rendezvous"]
 # how many groups this process has joined, so that an init() after shutdown() meets on fresh keys
 _joined = [0]
 _POLL = (0.002, 0.1)  # seconds between checks while waiting: from quick to patient
+_NAMED_MISSING = 4096  # a timed-out rendezvous names the missing ranks of a world up to this size
 
 
 def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | None = None) -> dist.Store:
@@ -129,14 +131,24 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             pause = min(_POLL[1], pause * 2)
     except (RuntimeError, OSError, TimeoutError) as e:
         try:
-            joined = f"only {group.add('arrived', 0)}"
+            joined = f"only {group.add('arrived', 0)} of WORLD_SIZE={env.world_size} ranks joined"
+            joined += _missing(group, env.world_size)
         except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
-            joined = "rank 0 gave up and closed the store, so not all"
+            joined = f"rank 0 gave up and closed the store, so not all of WORLD_SIZE={env.world_size} ranks joined"
         raise RendezvousError(explain(
             f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
-            f"of WORLD_SIZE={env.world_size} ranks joined (this is rank {env.rank}).",
+            f"(this is rank {env.rank}).",
             "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
             address=address, timeout=timeout.total_seconds()) from e
+
+
+def _missing(group: dist.Store, world_size: int) -> str:
+    """", missing: ranks 3, 5-7": the ranks that never checked in (one store query each, so only up
+    to _NAMED_MISSING ranks; on a larger world the count alone)."""
+    if world_size > _NAMED_MISSING:
+        return ""
+    missing = [r for r in range(world_size) if not group.check([f"rank/{r}"])]
+    return f", missing: {rank_list(missing)}" if missing else ""
 
 
 def _tell(line: str) -> None:

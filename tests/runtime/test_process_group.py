@@ -136,7 +136,7 @@ def test_rendezvous_that_cannot_complete_says_how_many_joined():
     result = _run_python(INIT_WITH_SHORT_TIMEOUT, rank_env(0, 3, store.port))
     assert result.returncode == 3, result.stderr
     assert f"rendezvous at 127.0.0.1:{store.port} timed out after 2 s" in result.stdout
-    assert "only 1 of WORLD_SIZE=3 ranks joined" in result.stdout
+    assert "only 1 of WORLD_SIZE=3 ranks joined, missing: ranks 1, 2 (this is rank 0)" in result.stdout
     assert f"RendezvousError at 127.0.0.1:{store.port} after 2.0 s" in result.stdout
 
 
