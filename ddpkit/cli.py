@@ -45,14 +45,15 @@ def _env(argv: list[str]) -> int:
     """``ddpkit env``: the detected layout, or the one-line reason the variables are wrong."""
     import os
 
-    from ddpkit.runtime.env import detect
+    from ddpkit.runtime.process_group import planned_env
 
     if argv:
-        print("usage: ddpkit env\n\nprint the DistEnv that ddpkit.init() would detect from this "
-              "process's environment variables", file=sys.stdout if argv[0] in ("-h", "--help") else sys.stderr)
+        print("usage: ddpkit env\n\nprint the DistEnv that ddpkit.init() would return from this "
+              "process's environment variables (backend and device included)",
+              file=sys.stdout if argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv[0] in ("-h", "--help") else 2
     try:
-        print(detect(os.environ))
+        print(planned_env(os.environ))
     except ValueError as e:
         print(f"ddpkit env: error: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ import faulthandler
 import os
 import time
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,14 @@ def is_main_process() -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def planned_env(environ: Mapping[str, str]) -> DistEnv:
+    """The DistEnv ``init()`` would return in this environment (backend and device included), without
+    joining anything: what ``ddpkit env`` prints."""
+    env = detect(environ)
+    backend = _choose_backend(environ.get("DDPKIT_BACKEND") or None)
+    return env.replace(backend=None if env.launcher == "single" else backend, device=_choose_device(backend, env))
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.env import detect
@@ -107,7 +108,14 @@ def test_ddpkit_env_prints_the_layout_or_one_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("MASTER_ADDR", "h")
     monkeypatch.setenv("MASTER_PORT", "1234")
     assert main(["env"]) == 0
-    assert "rank=1, world_size=2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "rank=1, world_size=2" in out
+    # what init() would choose, not None: backend and device are part of the layout a user checks
+    if not torch.cuda.is_available():
+        assert "backend='gloo', device=device(type='cpu')" in out
+    monkeypatch.setenv("DDPKIT_BACKEND", "mpi-nonsense")
+    assert main(["env"]) == 1
+    assert "mpi-nonsense" in capsys.readouterr().err
 
 
 def test_second_init_refuses_a_different_backend_and_a_dead_group_is_rebuilt(monkeypatch):
