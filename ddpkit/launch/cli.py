@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ddpkit run: error: {e}", file=sys.stderr)
         return 2
+    for note in config.notes:
+        print(f"ddpkit run: note: {note}", file=sys.stderr)
     environ = dict(os.environ)  # the workers get the user's environment unchanged
     if "TORCH_CPP_LOG_LEVEL" not in environ:
         _quiet_torch_cpp_logs()

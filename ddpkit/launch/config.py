@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ddpkit.errors import explain
+from ddpkit.launch.torchrun_flags import ConsoleFilter, add_torchrun_flags, check_refused, console_filter, notes
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.environments.ports import mpi_port, slurm_port
@@ -52,6 +53,8 @@ class LaunchConfig:
     run_id: str = "none"
     role: str = "default"
     job_id: str | None = None  # the rendezvous's job check; given to workers as DDPKIT_JOB_ID
+    console: ConsoleFilter = ConsoleFilter()  # whose output the console shows
+    notes: tuple[str, ...] = ()  # torchrun flags given that ddpkit does not act on, one line each
 
     @property
     def multi_node(self) -> bool:
@@ -134,14 +137,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(*_spellings("run-path"), dest="run_path", action="store_true",
                    default=pet_flag("run_path"),
                    help="accepted for torchrun compatibility: the script is run by its path anyway.")
-    p.add_argument("-t", "--tee", default=pet("tee", None), metavar="STREAMS",
-                   help="accepted for torchrun compatibility: every rank's output is always shown, "
-                   "prefixed with [rank<r>]:, and kept per rank with --log-dir.")
-    p.add_argument("-r", "--redirects", default=pet("redirects", None), metavar="STREAMS",
-                   help="accepted for torchrun compatibility (see --tee).")
-    p.add_argument(*_spellings("local-ranks-filter"), dest="local_ranks_filter", metavar="RANKS",
-                   default=pet("local_ranks_filter", ""),
-                   help="accepted for torchrun compatibility: every rank's output is shown (see --tee).")
+    add_torchrun_flags(p, pet, _spellings)
     p.add_argument(*_spellings("local-addr"), dest="local_addr", default=pet("local_addr", None),
                    metavar="ADDR", help="accepted for torchrun compatibility: the static rendezvous "
                    "needs no address of this node.")
@@ -186,6 +182,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     environ = os.environ if environ is None else environ
     args = build_parser(environ).parse_args(list(argv))
     nnodes = _parse_nnodes(str(args.nnodes))
+    check_refused(args)
     # torchrun's c10d backend on one node is the same as the static one: there is no other node
     if args.rdzv_backend != "static" and not (args.rdzv_backend == "c10d" and nnodes == 1):
         raise ValueError(explain(
@@ -226,7 +223,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         max_restarts=int(args.max_restarts), log_dir=args.log_dir,
         rdzv_timeout=float(args.rdzv_timeout), node_timeout=float(args.node_timeout),
         grace_period=float(args.grace_period), monitor_interval=float(args.monitor_interval),
-        run_id=run_id, role=str(args.role), job_id=launch_job_id(environ, run_id, nnodes))
+        run_id=run_id, role=str(args.role), job_id=launch_job_id(environ, run_id, nnodes),
+        console=console_filter(args), notes=tuple(notes(args)))
 
 
 def launch_job_id(environ: Mapping[str, str], run_id: str, nnodes: int) -> str | None:

@@ -100,7 +100,8 @@ def say(text: str) -> None:
 class OutputPump:
     """Copy one worker's stdout and stderr to the launcher's, on two daemon threads."""
 
-    def __init__(self, rank: int, stdout: BinaryIO, stderr: BinaryIO, log_file: str | None = None):
+    def __init__(self, rank: int, stdout: BinaryIO, stderr: BinaryIO, log_file: str | None = None,
+                 shown: tuple[bool, bool] = (True, True)):
         self.rank = rank
         self._prefix = f"[rank{rank}]: ".encode()
         self._tail: deque[bytes] = deque(maxlen=TAIL_LINES)
@@ -111,15 +112,15 @@ class OutputPump:
             os.makedirs(os.path.dirname(log_file), exist_ok=True)
             self._file = open(log_file, "ab")  # noqa: SIM115 - closed by join()
         self._threads = [
-            threading.Thread(target=self._pump, args=(stdout, sys.stdout, False),
+            threading.Thread(target=self._pump, args=(stdout, sys.stdout if shown[0] else None, False),
                              name=f"rank{rank}-stdout", daemon=True),
-            threading.Thread(target=self._pump, args=(stderr, sys.stderr, True),
+            threading.Thread(target=self._pump, args=(stderr, sys.stderr if shown[1] else None, True),
                              name=f"rank{rank}-stderr", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
 
-    def _pump(self, pipe: BinaryIO, console: IO[str], keep_tail: bool) -> None:
+    def _pump(self, pipe: BinaryIO, console: IO[str] | None, keep_tail: bool) -> None:
         owner = object()  # this pipe: its open line is its own, not the other pipe's
         fd, pending, at_start = pipe.fileno(), b"", True
         try:
@@ -146,9 +147,10 @@ class OutputPump:
                 self._forward(owner, console, keep_tail, [(pending, b"\n")], at_start)
             pipe.close()
 
-    def _forward(self, owner: object, console: IO[str], keep_tail: bool,
+    def _forward(self, owner: object, console: IO[str] | None, keep_tail: bool,
                  pieces: list[tuple[bytes, bytes]], at_start: bool) -> bool:
-        """Show ``pieces`` on the console, log and tail them; returns whether a line start follows."""
+        """Show ``pieces`` on the console (None: filtered out), log and tail them; returns whether a
+        line start follows."""
         cleaned = []
         for text, sep in pieces:
             # torch's excepthook already tags traceback lines "[rank1]: "; do not tag them twice
@@ -158,7 +160,8 @@ class OutputPump:
             at_start = sep != b""
             if keep_tail:
                 self._keep(text, sep)
-        _console.write(owner, console, self._prefix, cleaned)
+        if console is not None:
+            _console.write(owner, console, self._prefix, cleaned)
         if self._file is not None:
             with self._file_lock:
                 self._file.write(b"".join(text + sep for text, sep in cleaned))

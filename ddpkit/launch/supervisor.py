@@ -141,7 +141,7 @@ class Supervisor:
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
             log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None
-            workers.append(spawn_worker(cfg.command, env, place, log))
+            workers.append(spawn_worker(cfg.command, env, place, log, shown=cfg.console.shows(local_rank)))
             if self._watchdog is not None:
                 self._watchdog.add(workers[-1].pid)
         first, last = workers[0].rank, workers[-1].rank

@@ -95,8 +95,9 @@ def exit_code(returncode: int) -> int:
 
 
 def spawn_worker(command: tuple[str, ...], env: dict[str, str], place: Placement,
-                 log_file: str | None) -> Worker:
-    """Start one worker with piped output (call from the main thread: see ``death_signal_preexec``)."""
+                 log_file: str | None, shown: tuple[bool, bool] = (True, True)) -> Worker:
+    """Start one worker with piped output (call from the main thread: see ``death_signal_preexec``);
+    ``shown``: whether its stdout and its stderr reach the console (the log file gets both)."""
     try:
         # stdin is inherited, as in torchrun: breakpoint() and input() work in a worker
         process = subprocess.Popen(
@@ -105,7 +106,7 @@ def spawn_worker(command: tuple[str, ...], env: dict[str, str], place: Placement
         )
     except OSError as e:
         raise RuntimeError(f"could not start rank {place.rank}: {' '.join(command)}: {e}") from e
-    pump = OutputPump(place.rank, process.stdout, process.stderr, log_file)  # type: ignore[arg-type]
+    pump = OutputPump(place.rank, process.stdout, process.stderr, log_file, shown)  # type: ignore[arg-type]
     return Worker(place, process, pump, tree={process.pid})
 
 

@@ -182,6 +182,23 @@ def test_two_workers_all_reduce_with_torchrun_variables(job, tmp_path):
     assert_all_gone(job.pids())
 
 
+@pytest.mark.timeout(60)
+def test_local_ranks_filter_quiets_the_console_not_the_logs_nor_a_failures_summary(job, tmp_path):
+    logs = tmp_path / "logs"
+    code, out, err = job.run("--nproc-per-node", "2", "--local-ranks-filter", "1", "--log-dir", str(logs),
+                             "--numa-binding", "node", WORKER, str(tmp_path), "succeed")
+    assert code == 0, err
+    assert "ddpkit run: note: --numa-binding node has no effect" in err.splitlines()[0]
+    assert "[rank1]: rank 1 started" in out.splitlines() and "[rank0]" not in out + err
+    assert (logs / "attempt_0" / "rank_0.log").read_text().splitlines()[0] == "rank 0 started"
+    code, _, err = job.run("--nproc-per-node", "2", "--local-ranks-filter", "1", "--grace-period", "5",
+                           WORKER, str(tmp_path), "fail", "0")
+    assert code == 1, err
+    assert "[rank0]" not in err[:err.index("the job failed")]
+    assert "ValueError: boom on rank 0" in err[err.index("the job failed"):]  # the summary names it all the same
+    assert_all_gone(job.pids())
+
+
 @pytest.mark.timeout(90)
 def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
     nodes = job.run_two_nodes(WORKER, str(tmp_path), "allreduce", timeout=80)

@@ -189,3 +189,30 @@ def test_launch_scripts_parse_and_show_their_usage(name):
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     header = path.read_text().split("set -euo pipefail")[0]
     assert f"launch/{name}" in header and os.access(path, os.X_OK)
+
+
+def test_local_ranks_filter_and_redirects_choose_the_console_streams_as_in_torchrun():
+    shows = parse_args(["--local-ranks-filter", "0,2", "--nproc-per-node", "3", "t.py"], environ={}).console.shows
+    assert [shows(r) for r in range(3)] == [(True, True), (False, False), (True, True)]
+    assert parse_args(["--redirects", "3", "t.py"], environ={}).console.shows(0) == (True, True)  # no log dir
+    shows = parse_args(["-r", "0:1,1:3", "--log-dir", "d", "t.py"], environ={}).console.shows
+    assert [shows(r) for r in range(3)] == [(False, True), (False, False), (True, True)]
+    assert parse_args(["--redirects", "2", "--log-dir", "d", "t.py"], environ={}).console.shows(5) == (True, False)
+    for flags in (["--local-ranks-filter", "zero"], ["-r", "7", "--log-dir", "d"], ["-r", "0:x", "--log-dir", "d"]):
+        with pytest.raises(ValueError, match=flags[1]):
+            parse_args([*flags, "t.py"], environ={})
+
+
+def test_torchrun_flags_ddpkit_does_not_act_on_are_accepted_and_each_says_so():
+    assert parse_args(["--signals-to-handle", "SIGINT,SIGTERM,SIGQUIT,SIGHUP", "t.py"], environ={}).notes == ()
+    config = parse_args(["--numa-binding", "node", "--logs-specs", "mine", "--event-log-handler", "console",
+                         "--signals_to_handle", "SIGTERM", "--duplicate-stdout-filters", "loss",
+                         "--redirects", "3", "t.py"], environ={})
+    joined = "\n".join(config.notes)
+    for flag in ("--numa-binding node has no effect", "--logs-specs mine", "--event-log-handler console",
+                 "--signals-to-handle SIGTERM has no effect", "--duplicate-stdout-filters",
+                 "--redirects needs --log-dir"):
+        assert flag in joined
+    assert len(config.notes) == 6
+    with pytest.raises(ValueError, match="--virtual-local-rank is not supported"):
+        parse_args(["--virtual-local-rank", "t.py"], environ={})

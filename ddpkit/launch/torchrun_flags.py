@@ -1,0 +1,125 @@
+"""torchrun's flags for workers' output, and those ``ddpkit run`` accepts without acting on them.
+
+``--local-ranks-filter`` and ``--redirects`` decide which workers' streams reach the console, as in
+torchrun (log files under ``--log-dir`` keep everything). A torchrun command line must run unchanged,
+so the flags ddpkit does not act on are accepted too, but never in silence: each one given says in
+one line what ddpkit does instead (``notes``). A flag whose absence would change what a script
+computes (``--virtual-local-rank`` renumbers LOCAL_RANK) is refused instead.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+from ddpkit.errors import explain
+
+__all__ = ["ConsoleFilter", "add_torchrun_flags", "console_filter", "notes", "check_refused"]
+
+_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default, and what ddpkit stops on
+
+
+@dataclass(frozen=True)
+class ConsoleFilter:
+    """Which of a worker's streams the launcher shows: ``ranks`` (None: all) from --local-ranks-filter,
+    ``redirected`` the (local rank -> streams) torchrun's --redirects sends to log files only, where
+    1 is stdout, 2 stderr and 3 both."""
+
+    ranks: frozenset[int] | None = None
+    redirected: tuple[tuple[int, int], ...] = ()
+    default_redirect: int = 0
+
+    def shows(self, local_rank: int) -> tuple[bool, bool]:
+        """(stdout shown, stderr shown) for the worker of ``local_rank``."""
+        if self.ranks is not None and local_rank not in self.ranks:
+            return False, False
+        streams = dict(self.redirected).get(local_rank, self.default_redirect)
+        return not streams & 1, not streams & 2
+
+
+def add_torchrun_flags(p: argparse.ArgumentParser, pet: Callable[[str, object], object],
+                       spellings: Callable[[str], list[str]]) -> None:
+    p.add_argument("-t", "--tee", default=pet("tee", None), metavar="STREAMS",
+                   help="as in torchrun, output is shown on the console and, with --log-dir, also kept "
+                   "per rank: always, so this changes nothing.")
+    p.add_argument("-r", "--redirects", default=pet("redirects", None), metavar="STREAMS",
+                   help="with --log-dir, these streams go to the log files only (1 stdout, 2 stderr, 3 "
+                   "both; or per local rank, 0:1,1:3), as in torchrun.")
+    p.add_argument(*spellings("local-ranks-filter"), dest="local_ranks_filter", metavar="RANKS",
+                   default=pet("local_ranks_filter", ""),
+                   help="show only these local ranks' output on the console, e.g. 0 or 0,1 (log "
+                   "files keep every rank's; a failing rank's traceback is still in the summary).")
+    quiet = "accepted for torchrun compatibility; ddpkit run says in one line what it does instead."
+    for name, default in (("numa-binding", None), ("logs-specs", None), ("event-log-handler", "null"),
+                          ("signals-to-handle", _HANDLED_SIGNALS), ("duplicate-stdout-filters", ""),
+                          ("duplicate-stderr-filters", "")):
+        dest = name.replace("-", "_")
+        p.add_argument(*spellings(name), dest=dest, default=pet(dest, default), help=quiet)
+    p.add_argument(*spellings("virtual-local-rank"), dest="virtual_local_rank", action="store_true",
+                   default=str(pet("virtual_local_rank", "0")) not in ("", "0"),
+                   help="refused: LOCAL_RANK stays each worker's local rank.")
+
+
+def console_filter(args: argparse.Namespace) -> ConsoleFilter:
+    ranks = None
+    if str(args.local_ranks_filter).strip():
+        try:
+            ranks = frozenset(int(r) for r in str(args.local_ranks_filter).split(","))
+        except ValueError:
+            raise ValueError(f"--local-ranks-filter {args.local_ranks_filter!r} is not a comma-separated "
+                             "list of local ranks, e.g. --local-ranks-filter 0,1.") from None
+    if not args.redirects or not args.log_dir:
+        return ConsoleFilter(ranks)
+    text = str(args.redirects).strip()
+    try:
+        if ":" not in text:
+            return ConsoleFilter(ranks, default_redirect=_streams(text))
+        pairs = [item.split(":") for item in text.split(",")]
+        return ConsoleFilter(ranks, tuple((int(rank), _streams(streams)) for rank, streams in pairs))
+    except ValueError:
+        raise ValueError(f"--redirects {text!r}: give 0-3 (1 stdout, 2 stderr, 3 both) or "
+                         "LOCAL_RANK:STREAMS pairs, e.g. 0:3,1:2.") from None
+
+
+def _streams(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 3:
+        raise ValueError(text)
+    return value
+
+
+def check_refused(args: argparse.Namespace) -> None:
+    if args.virtual_local_rank:
+        raise ValueError(explain(
+            "--virtual-local-rank is not supported: ddpkit run gives each worker its own LOCAL_RANK and "
+            "leaves CUDA_VISIBLE_DEVICES as it is.",
+            "leave the flag out and use cuda:LOCAL_RANK (ddpkit.init() picks it), or run under torchrun."))
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    """One line per accepted torchrun flag that ddpkit does not act on, where it was given."""
+    said = []
+    if args.redirects and not args.log_dir:
+        said.append("--redirects needs --log-dir here (the files it redirects to); the output stays on "
+                    "the console")
+    if args.numa_binding:
+        said.append(f"--numa-binding {args.numa_binding} has no effect: workers keep the launcher's CPU "
+                    "affinity (bind them with numactl or your scheduler)")
+    if args.logs_specs:
+        said.append(f"--logs-specs {args.logs_specs} has no effect: output goes to the console and "
+                    "--log-dir DIR/attempt_<k>/rank_<r>.log")
+    if str(args.event_log_handler) != "null":
+        said.append(f"--event-log-handler {args.event_log_handler} has no effect: ddpkit run records no "
+                    "torchelastic events")
+    if _signal_set(args.signals_to_handle) != _signal_set(_HANDLED_SIGNALS):
+        said.append(f"--signals-to-handle {args.signals_to_handle} has no effect: {_HANDLED_SIGNALS} stop "
+                    "the workers, and SIGUSR1/SIGUSR2 are passed on to them")
+    for stream in ("stdout", "stderr"):
+        if getattr(args, f"duplicate_{stream}_filters"):
+            said.append(f"--duplicate-{stream}-filters has no effect: with --log-dir every line is kept "
+                        "per rank; grep those files")
+    return said
+
+
+def _signal_set(text: object) -> set[str]:
+    return {s.strip().upper() for s in str(text).split(",") if s.strip()}
