@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Mapping
@@ -102,8 +103,11 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         if env.world_size == 1:
             # A world of one needs no network: an in-process store is enough. With NCCL, Gloo
             # serves CPU tensors too, so user code may reduce tensors on either device.
+            hook = sys.excepthook
             dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
                                     store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            if env.launcher == "single":  # no ranks to tell apart: no "[rank0]: " before every traceback line
+                sys.excepthook = hook
         else:
             _dump_stacks_on_fatal_signals()
             store = rendezvous(env, timeout)

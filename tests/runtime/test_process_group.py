@@ -112,6 +112,15 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subproce
                           capture_output=True, text=True, timeout=timeout)
 
 
+def test_single_process_tracebacks_carry_no_rank_prefix_but_launched_ones_do():
+    code = "import ddpkit; ddpkit.init(); raise ValueError('plain')"
+    single = _run_python(code, {})
+    assert "\nValueError: plain" in single.stderr and "[rank0]" not in single.stderr, single.stderr
+    launched = _run_python(code, {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": "1"})
+    assert "[rank0]: ValueError: plain" in launched.stderr, launched.stderr  # torch's prefix, as under torchrun
+
+
 INIT_WITH_SHORT_TIMEOUT = """
     import time
     import ddpkit
