@@ -134,12 +134,15 @@ class Reducer:
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: queues the wait at the end of the backward that runs
         through them (a reentrant checkpoint's inner backward, where parameter hooks may fire
-        first, ends earlier); backward through an older forward's graph raises."""
+        first, ends earlier). A backward that starts at an averaged iteration's outputs raises; one
+        that reaches them through this iteration's graph (a state carried across steps) is this one's."""
         forward = self.forwards
 
         def check(grad: torch.Tensor) -> None:
             if forward < self._iteration.window_start:
-                raise errors.stale_output_error(self.rank, forward, self.forwards)
+                if self._iteration.phase not in (Phase.QUEUED, Phase.REDUCING):
+                    raise errors.stale_output_error(self.rank, forward, self.forwards)
+                return
             if self._iteration.reach_output():
                 queue_end_of_backward_callback(self.finalize_backward)
         return check

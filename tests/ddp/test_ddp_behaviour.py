@@ -497,6 +497,43 @@ def test_two_forwards_through_batchnorm_train_like_torch():
             torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5)
 
 
+class _Cell(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.i, self.h, self.o = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x, h):
+        h = torch.tanh(self.i(x) + self.h(h))
+        return self.o(h), h
+
+
+def _carried_state_worker(kwargs: dict) -> dict[str, list]:
+    """A hidden state carried from step to step without detach(), each backward with retain_graph:
+    every backward also runs through the earlier steps' graphs."""
+    rank, out = torch.distributed.get_rank(), {}
+    for kind, cls in (("ddpkit", ddpkit.DDP), ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp, h, grads = cls(_Cell(), **kwargs), torch.zeros(6, 8), []
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp.zero_grad(set_to_none=True)
+            y, h = ddp(torch.randn(6, 4, generator=data), h)
+            y.square().mean().backward(retain_graph=True)
+            grads.append([p.grad.clone() for p in ddp.parameters()])
+        out[kind] = grads
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kwargs", [{}, {"find_unused_parameters": True}, {"static_graph": True},
+                                    {"gradient_as_bucket_view": True}])
+def test_a_state_carried_across_steps_without_detach_averages_as_torch(kwargs):
+    for out in run_ranks(_carried_state_worker, 2, (kwargs,)):
+        for mine, ref in zip(out["ddpkit"], out["torch"]):
+            for a, b in zip(mine, ref):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 class _SidePath(nn.Module):
     """``aux`` is unreachable from the output, yet the loss may reach it from outside forward."""
 
