@@ -25,6 +25,7 @@ from ddpkit.errors import (
     CollectiveMismatchError,
     CommHookError,
     LauncherVariableError,
+    NotAModuleError,
     NotInitializedError,
     RanksDisagreeError,
     RendezvousError,
@@ -68,7 +69,7 @@ __all__ = [
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
     "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "LauncherVariableError",
-    "NotInitializedError",
+    "NotAModuleError", "NotInitializedError",
     "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["explain", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
+__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
            "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
            "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError"]
 
@@ -89,6 +89,15 @@ class CommHookError(_Facts, TypeError, RuntimeError):
 
 
 # ---- DistributedDataParallel's construction ----------------------------------------------------------
+class NotAModuleError(_Facts, TypeError, AttributeError):
+    """DistributedDataParallel was given something other than an ``nn.Module``. Also an
+    AttributeError, the type torch's DDP raises for it (the object has no ``named_parameters``)."""
+
+    def __init__(self, message: str, *, got: str) -> None:
+        super().__init__(message)
+        self.got = got
+
+
 class RanksDisagreeError(_Facts, RuntimeError):
     """The ranks could not build one DistributedDataParallel together.
 
@@ -115,9 +124,10 @@ class LauncherVariableError(_Facts, ValueError):
         self.variable, self.value = variable, value
 
 
-class NotInitializedError(_Facts, RuntimeError):
+class NotInitializedError(_Facts, RuntimeError, ValueError):
     """A launcher started ``world_size`` processes, but ``needed_by`` ran before ``ddpkit.init()``:
-    each rank would act alone."""
+    each rank would act alone. Also a ValueError, the type of torch's own "Default process group has
+    not been initialized"."""
 
     def __init__(self, message: str, *, needed_by: str, rank: int, world_size: int, launcher: str) -> None:
         super().__init__(message)

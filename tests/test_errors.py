@@ -21,6 +21,7 @@ from ddpkit.errors import (
     CollectiveMismatchError,
     CommHookError,
     LauncherVariableError,
+    NotAModuleError,
     NotInitializedError,
     RanksDisagreeError,
     RendezvousError,
@@ -35,7 +36,8 @@ from ddpkit.errors import (
 BASES = {
     UnusedParametersError: (RuntimeError,), SecondGradientError: (RuntimeError,),
     StaticGraphChangedError: (RuntimeError,), RanksDisagreeError: (RuntimeError,),
-    CommHookError: (TypeError, RuntimeError), NotInitializedError: (RuntimeError,),
+    CommHookError: (TypeError, RuntimeError), NotInitializedError: (RuntimeError, ValueError),
+    NotAModuleError: (TypeError, AttributeError),
     LauncherVariableError: (ValueError,), RendezvousError: (RuntimeError,),
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),
     CollectiveMismatchError: (RuntimeError,),
@@ -115,8 +117,10 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
                                        "(float32), rank 1 has 'body.weight' with shape [4, 4] (float32)")
     refused = ranks[0]["refused"]
     assert type(refused) is RanksDisagreeError and (refused.rank, refused.differing_rank) == (0, 1)
-    assert refused.difference == "TypeError: DistributedDataParallel wraps a torch.nn.Module, got str."
-    assert type(ranks[1]["refused"]) is TypeError  # the rank whose arguments were refused: its own error
+    assert refused.difference == ("NotAModuleError: DistributedDataParallel wraps a torch.nn.Module, got str "
+                                  "'model'. HINT: wrap the model, an nn.Module instance: DDP(model).")
+    own = ranks[1]["refused"]  # the rank whose arguments were refused: its own error
+    assert type(own) is ddpkit.NotAModuleError and isinstance(own, (TypeError, AttributeError)) and own.got == "str"
     assert type(ranks[0]["save"]) is ValueError  # rank 0 raises what failed it
     saved = ranks[1]["save"]
     assert type(saved) is CheckpointSaveError, saved
@@ -135,8 +139,9 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
         "rank 0 has 'body.weight' with shape [3, 4] (float32), rank 1 has 'body.weight' with shape [4, 4] "
         "(float32) (this is rank 0). HINT: build the model identically on every rank (same arguments, same "
         "code path) before wrapping it.")
-    assert str(refused) == ("DistributedDataParallel could not be built on rank 1: TypeError: "
-                            "DistributedDataParallel wraps a torch.nn.Module, got str. (this is rank 0).")
+    assert str(refused) == ("DistributedDataParallel could not be built on rank 1: NotAModuleError: "
+                            "DistributedDataParallel wraps a torch.nn.Module, got str 'model'. HINT: wrap the "
+                            "model, an nn.Module instance: DDP(model). (this is rank 0).")
     assert str(saved) == (f"rank 0 failed to save the checkpoint '{tmp_path}/c.pt': ValueError: this "
                           "object stays in memory")
 
@@ -217,8 +222,8 @@ def test_a_launched_rank_without_init_gets_not_initialized(launched_as_rank_1_of
         ("DistributedDataParallel", 1, 2, "torchrun")
     assert str(error) == (
         "DistributedDataParallel: this process is rank 1 of WORLD_SIZE=2 (launcher: torchrun), but no process "
-        "group exists, so each rank would train on its own, its gradients never averaged. HINT: call "
-        "ddpkit.init() first.")
+        "group exists (Default process group has not been initialized), so each rank would train on its own, "
+        "its gradients never averaged. HINT: call ddpkit.init() first (or torch.distributed.init_process_group()).")
 
 
 @pytest.mark.timeout(30)

@@ -17,7 +17,7 @@ from ddpkit.dp.devices import as_device
 from ddpkit.errors import CommHookError, explain
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "bucket_caps", "check_comm_hook", "check_devices", "first_difference",
-           "refuse_torch_sync_batchnorm_on_cpu", "refuse_uninitialized", "sparse_gradient_names"]
+           "refuse_meta", "refuse_torch_sync_batchnorm_on_cpu", "refuse_uninitialized", "sparse_gradient_names"]
 
 _MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -82,6 +82,21 @@ def refuse_torch_sync_batchnorm_on_cpu(module: nn.Module, device: torch.device) 
                 "and this module is on the CPU.",
                 "build the model with ordinary BatchNorm layers and convert them with "
                 "ddpkit.SyncBatchNorm.convert_sync_batchnorm(model), whose layers also work on the CPU."))
+
+
+def refuse_meta(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """A module on the meta device (deferred initialization): called once every parameter is on one
+    device type, so a module partly on meta is refused as on two device types, as in torch."""
+    for name, p in named:
+        if p.is_meta:  # torch's DDP fails on it in a broadcast, with no name and no way out
+            raise RuntimeError(explain(
+                f"DistributedDataParallel cannot wrap a module on the meta device: {name!r} is a meta "
+                "tensor, which holds no values to broadcast or average (torch's DDP stops here too: "
+                "\"Tensor.item() cannot be called on meta tensors\"). Materialized after wrapping "
+                "(to_empty), the module's parameters would be new tensors that DDP never hooked, and "
+                "their gradients would never be averaged.",
+                "materialize the model first, module.to_empty(device=...) and initialize its parameters "
+                "(or load a checkpoint), then wrap it."))
 
 
 def refuse_uninitialized(module: nn.Module) -> None:

@@ -170,7 +170,15 @@ class Collectives:
             return
         name = _name_of(self.comm_hook)
         for bucket, work in zip(into, works):
-            result = work.wait()
+            try:
+                result = work.wait()
+            except Exception as e:
+                if isinstance(e, RuntimeError):  # a collective's failure, or torch's own type for it
+                    raise
+                raise CommHookError(explain(  # a RuntimeError, as torch's DDP raises it
+                    f"comm hook {name}'s future for bucket {bucket.index()} failed: {type(e).__name__}: {e}",
+                    "the hook's own error is the cause, shown above.", who="DistributedDataParallel",
+                    rank=self.rank), rank=self.rank, hook=name) from e
             if isinstance(result, (list, tuple)) and len(result) == 1:
                 result = result[0]
             bucket.take_result(result, name, self.rank)

@@ -22,6 +22,7 @@ from ddpkit.ddp.arguments import (
     bucket_caps,
     check_comm_hook,
     check_devices,
+    refuse_meta,
     refuse_torch_sync_batchnorm_on_cpu,
     refuse_uninitialized,
     sparse_gradient_names,
@@ -29,6 +30,7 @@ from ddpkit.ddp.arguments import (
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.delayed import DelayedAllReduce
+from ddpkit.ddp.errors import not_a_module_error
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.pickling import PicklingSupport
@@ -99,13 +101,14 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         local_error: Exception | None = None
         try:  # checks of this rank's arguments: every rank must hear of a failure, not wait for it
             if not isinstance(module, nn.Module):
-                raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}.")
+                raise not_a_module_error(module)
             named = self._parameters_to_reduce(delayed_too=bool(delayed))
             self.mixed_precision = mp.resolve_mixed_precision(mixed_precision, self.rank)  # torch's meaning
             if self.mixed_precision is not None:
                 mp.refuse_compiled(module, self.rank)
             handled = [p for _, p in self._states(buffers=False)] or [p for _, p in delayed]
             self.device, self.device_ids, self.output_device = check_devices(handled, device_ids, output_device)
+            refuse_meta(named)
             refuse_torch_sync_batchnorm_on_cpu(module, self.device)
             self.bucket_bytes_cap, self._first_bucket_bytes = bucket_caps(bucket_cap_mb)
             self.bucket_bytes_cap_list = list(options.bucket_cap_list(bucket_cap_mb_list))

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from ddpkit.errors import (
+    NotAModuleError,
     RanksDisagreeError,
     SecondGradientError,
     StaticGraphChangedError,
@@ -21,11 +22,18 @@ from ddpkit.errors import (
     explain,
 )
 
-__all__ = ["late_gradient_warning", "warn_at_user_code", "second_gradient_error", "static_graph_changed_error",
+__all__ = ["not_a_module_error", "late_gradient_warning", "warn_at_user_code", "second_gradient_error",
+           "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
            "ranks_disagree_error", "refused_elsewhere_error"]
 
 _DDP = "DistributedDataParallel"
+
+
+def not_a_module_error(module: object) -> NotAModuleError:
+    got = type(module).__name__
+    return NotAModuleError(explain(f"DistributedDataParallel wraps a torch.nn.Module, got {got} {module!r:.60}.",
+                                   "wrap the model, an nn.Module instance: DDP(model)."), got=got)
 
 
 def late_gradient_warning(rank: int, name: str) -> str:

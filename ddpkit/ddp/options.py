@@ -11,6 +11,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch.distributed as dist
+
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
@@ -36,6 +38,13 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
         raise RuntimeError(explain("Cannot specify both process_group and device_mesh arguments.",
                                    "pass one: a 1-D DeviceMesh stands for its process group.", who=_WHO))
     if device_mesh is None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(explain(
+                f"process_group must be a torch.distributed.ProcessGroup, or None for the default group; "
+                f"got {type(process_group).__name__} {process_group!r:.60}.",
+                "pass None (ddpkit.init() or init_process_group() made the default group), or a group "
+                "from dist.new_group(ranks); a backend name goes to init_process_group(backend=...).",
+                who=_WHO))
         return default_group() if process_group is None else process_group
     if device_mesh.ndim != 1:
         raise RuntimeError(explain(

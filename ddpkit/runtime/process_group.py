@@ -161,7 +161,8 @@ def require_group_when_launched(what: str, consequence: str) -> None:
     Without a process group each rank would act as a world of one, quietly on its own.
 
     Raises:
-        NotInitializedError: the launcher started several processes (a RuntimeError).
+        NotInitializedError: the launcher started several processes (a RuntimeError, and a
+            ValueError as torch's "Default process group has not been initialized" is).
     """
     if dist.is_available() and dist.is_initialized():
         return
@@ -169,8 +170,9 @@ def require_group_when_launched(what: str, consequence: str) -> None:
     if launched.world_size > 1:
         raise NotInitializedError(
             explain(f"this process is rank {launched.rank} of WORLD_SIZE={launched.world_size} "
-                    f"(launcher: {launched.launcher}), but no process group exists, so {consequence}.",
-                    "call ddpkit.init() first.", who=what),
+                    f"(launcher: {launched.launcher}), but no process group exists (Default process group "
+                    f"has not been initialized), so {consequence}.",
+                    "call ddpkit.init() first (or torch.distributed.init_process_group()).", who=what),
             needed_by=what, rank=launched.rank, world_size=launched.world_size, launcher=launched.launcher)
 
 

@@ -770,6 +770,9 @@ def test_a_launched_rank_without_init_is_told_to_call_it(launched_as_rank_1_of_2
     with pytest.raises(ddpkit.NotInitializedError, match=r"^DistributedDataParallel: this process is rank 1 of "
                                            r"WORLD_SIZE=2 .*call ddpkit.init\(\) first"):
         ddpkit.DistributedDataParallel(_mlp())
+    # torch's type and words for it: a ValueError, "Default process group has not been initialized"
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        ddpkit.DistributedDataParallel(_mlp())
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -801,6 +804,8 @@ def test_a_lazy_module_is_refused_until_its_first_forward():
 
 def test_something_other_than_a_module_is_refused():
     with pytest.raises(TypeError, match="wraps a torch.nn.Module, got function"):
+        ddpkit.DDP(lambda x: x)
+    with pytest.raises(AttributeError):  # torch's type for it
         ddpkit.DDP(lambda x: x)
 
 

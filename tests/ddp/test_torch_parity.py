@@ -211,6 +211,12 @@ def _annotated_tensor(state, bucket) -> torch.Tensor:
     return bucket.buffer()
 
 
+def _failing_future(state, bucket):  # unannotated: torch reads this file's annotations as strings
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_exception(ValueError("compression failed"))
+    return future
+
+
 def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or ddpkit's
     rank, x = dist.get_rank(), torch.ones(1, 2, requires_grad=True)
     if kind == "unused":
@@ -265,6 +271,16 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
                 ddp(x).sum().backward()
     elif kind == "pickle_subgroup":
         copy.deepcopy(DDP(nn.Linear(2, 2), process_group=dist.new_group([0, 1])))
+    elif kind == "meta":  # deferred initialization: materialized after wrapping, nothing would be averaged
+        DDP(nn.Linear(2, 2, device="meta"))
+    elif kind == "not_a_module":
+        DDP(lambda x: x)
+    elif kind == "group_as_a_string":
+        DDP(nn.Linear(2, 2), process_group="gloo")
+    elif kind == "hook_future_fails":
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.register_comm_hook(None, _failing_future)
+        ddp(x).sum().backward()
 
 
 def _misuse_worker(kind: str) -> dict:
@@ -305,6 +321,13 @@ _MISUSES = {
     "join_exhausted": ("exhausted", False),  # torch's Join speaks for both: the same words
     "pickle_subgroup": ("DDP Pickling/Unpickling are only supported when using DDP with the default process "
                         "group", False),
+    "meta": ("Tensor.item() cannot be called on meta tensors", False),
+    # torch's words here are an accident of its code ("'function' object has no attribute
+    # 'named_parameters'", a pybind signature, "Unable to cast compression failed to Tensor"): its type
+    # is kept, and ddpkit says what is wrong
+    "not_a_module": ("", False),
+    "group_as_a_string": ("", False),
+    "hook_future_fails": ("", True),
 }
 
 
