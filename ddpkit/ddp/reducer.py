@@ -218,8 +218,8 @@ class Reducer:
     def _launch(self, bucket: Bucket, it: Iteration) -> None:
         """Scale the bucket's gradients into its buffer and start its collective."""
         if self._join_work is not None:
-            self._join_work.wait()
-            it.scale = 1.0 / max(1, int(self._join_work.result()[0].item()))
+            active = self._join_work.get_future().wait()[0]  # Work.result() warns that it goes away
+            it.scale = 1.0 / max(1, int(active.item()))
             self._join_work = None
         # multiplied by the scale on their way in, unless a comm hook averages them
         with bucket_range(bucket, "fill"):

@@ -534,6 +534,22 @@ def test_a_state_carried_across_steps_without_detach_averages_as_torch(kwargs):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def _join_by_active_ranks_worker() -> list[str]:
+    ddp, rank = ddpkit.DDP(nn.Linear(4, 2)), torch.distributed.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ddp.join(divide_by_initial_world_size=False):
+            for _ in range(2 + rank):
+                ddp(torch.ones(3, 4)).sum().backward()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.timeout(60)
+def test_join_dividing_by_the_active_ranks_warns_nothing():
+    """torch's DDP says nothing there; Work.result() would warn of its own deprecation on every rank."""
+    assert run_ranks(_join_by_active_ranks_worker, 2) == [[], []]
+
+
 class _SidePath(nn.Module):
     """``aux`` is unreachable from the output, yet the loss may reach it from outside forward."""
 
