@@ -22,8 +22,8 @@ from ddpkit.errors import (
     explain,
 )
 
-__all__ = ["not_a_module_error", "late_gradient_warning", "warn_at_user_code", "second_gradient_error",
-           "static_graph_changed_error",
+__all__ = ["not_a_module_error", "warn_create_graph_once", "late_gradient_warning", "warn_at_user_code",
+           "second_gradient_error", "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
            "ranks_disagree_error", "refused_elsewhere_error"]
 
@@ -49,6 +49,21 @@ def late_gradient_warning(rank: int, name: str) -> str:
         "and the ranks' models drift apart.",
         "add the losses and call backward() once, or call forward() again before each backward().",
         who=_DDP, rank=rank)
+
+
+_create_graph_warned = [False]
+
+
+def warn_create_graph_once(rank: int) -> None:
+    """backward(create_graph=True) through DDP: the gradients are averaged, their graph is not."""
+    if not _create_graph_warned[0]:
+        _create_graph_warned[0] = True
+        warn_at_user_code(explain(
+            "Using DistributedDataParallel with create_graph=True is not well-supported. The higher-order "
+            "gradient will not be synchronized across ranks: the .grad values are averaged, but the graph "
+            "they carry is this rank's own, so a loss built from them (a gradient penalty) differentiates "
+            "the local gradient.", "compute higher-order terms with torch.autograd.grad(..., create_graph=True) "
+            "on the local loss, outside DDP's backward, or all-reduce them yourself.", who=_DDP, rank=rank))
 
 
 def warn_at_user_code(message: str) -> None:

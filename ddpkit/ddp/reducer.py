@@ -201,6 +201,8 @@ class Reducer:
 
     def _begin_reducing(self, it: Iteration) -> None:
         """The first gradient of a synced backward: queue the wait, mark the unused parameters."""
+        if torch.is_grad_enabled():  # backward(create_graph=True): torch's reducer warns once too
+            errors.warn_create_graph_once(self.rank)
         if it.begin_reducing():  # backward did not come through the outputs we know of
             queue_end_of_backward_callback(self.finalize_backward)
         deferred = self.usage.deferred_unused

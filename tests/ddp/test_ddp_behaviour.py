@@ -550,6 +550,24 @@ def test_join_dividing_by_the_active_ranks_warns_nothing():
     assert run_ranks(_join_by_active_ranks_worker, 2) == [[], []]
 
 
+def _create_graph_worker() -> list[str]:
+    ddp = ddpkit.DDP(nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=True)
+            ddp(torch.ones(3, 4)).square().sum().backward(create_graph=True)
+    return [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+
+
+@pytest.mark.timeout(60)
+def test_backward_with_create_graph_warns_once_as_torchs_reducer_does():
+    for rank, said in enumerate(run_ranks(_create_graph_worker, 2)):
+        assert len(said) == 1, said
+        assert f"DistributedDataParallel on rank {rank}: Using DistributedDataParallel with create_graph=True " \
+               "is not well-supported. The higher-order gradient will not be synchronized across ranks" in said[0]
+
+
 class _SidePath(nn.Module):
     """``aux`` is unreachable from the output, yet the loss may reach it from outside forward."""
 
