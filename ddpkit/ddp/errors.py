@@ -124,8 +124,9 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
 def unfinished_backward_error(rank: int) -> RuntimeError:
     """A synced forward while the previous backward had launched buckets but not finished."""
     return RuntimeError(explain(
-        "forward() was called while the previous backward() had not finished averaging gradients (it "
-        "raised, or was interrupted), so the ranks may disagree on which buckets were reduced.",
+        "Expected to have finished reduction in the prior iteration before starting a new one: forward() "
+        "was called while the previous backward() had not finished averaging gradients (it raised, or was "
+        "interrupted), so the ranks may disagree on which buckets were reduced.",
         "let an error in backward() end the step on every rank instead of catching it and training on.",
         who=_DDP, rank=rank))
 

@@ -201,6 +201,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert "backward() reached the output of forward pass 1, whose gradients were already " \
                "averaged, but forward pass 2" in out["older_graph"]
         assert "previous backward() had not finished" in out["after_failed_backward"]
+        assert "Expected to have finished reduction in the prior iteration" in out["after_failed_backward"]  # torch's
         assert out["failed_before_any_gradient"] is True
         assert out["hook_returns_tensor"].startswith("CommHookError: ")  # a TypeError too
         assert out["hook_wrong_size"].startswith("CommHookError: ")  # a RuntimeError too
