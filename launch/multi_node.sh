@@ -15,8 +15,8 @@
 #              in torchrun), so it is the only port of node 0 the other nodes must reach
 # JOB_ID       this run's name, the same on every node (--rdzv-id; default: none). A node of another
 #              run that reaches the port is refused; set it when two runs may share node 0
-# NPROC        workers per node: a number or gpu / cpu / auto (default gpu; on CPU nodes, cpu or a
-#              number, since gpu fails without CUDA)
+# NPROC        workers per node: a number or gpu / cpu / auto (default gpu where nvidia-smi sees a
+#              GPU; on CPU nodes it must be set, as one worker per core is rarely what a job wants)
 # RDZV_TIMEOUT seconds to wait for all nodes to join (default 900); a node that never comes is
 #              named in the error
 # NODE_TIMEOUT seconds without a heartbeat from a node's launcher before the others count it as
@@ -31,6 +31,14 @@ set -euo pipefail
 
 SCRIPT=${1:?usage: launch/multi_node.sh SCRIPT [ARGS...]}
 shift
+if [[ -z "${NPROC:-}" ]]; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        NPROC=gpu
+    else
+        echo "launch/multi_node.sh: no GPU on $(hostname): set NPROC, the workers per node (a number, or cpu)" >&2
+        exit 2
+    fi
+fi
 
 exec "${PYTHON:-python3}" -m ddpkit run \
     --nnodes "$NNODES" \
@@ -38,7 +46,7 @@ exec "${PYTHON:-python3}" -m ddpkit run \
     --master-addr "$MASTER_ADDR" \
     --master-port "${MASTER_PORT:-29500}" \
     --rdzv-id "${JOB_ID:-none}" \
-    --nproc-per-node "${NPROC:-gpu}" \
+    --nproc-per-node "$NPROC" \
     --rdzv-timeout "${RDZV_TIMEOUT:-900}" \
     --node-timeout "${NODE_TIMEOUT:-30}" \
     --max-restarts "${RESTARTS:-0}" \

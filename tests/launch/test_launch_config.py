@@ -191,6 +191,15 @@ def test_launch_scripts_parse_and_show_their_usage(name):
     assert f"launch/{name}" in header and os.access(path, os.X_OK)
 
 
+def test_multi_node_script_on_a_node_without_gpu_asks_for_nproc(tmp_path):
+    path = Path(__file__).resolve().parents[2] / "launch" / "multi_node.sh"
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h"}
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # present, but sees no GPU
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    result = subprocess.run(["bash", str(path), "train.py"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "set NPROC, the workers per node" in result.stderr, result.stderr
+
+
 def test_local_ranks_filter_and_redirects_choose_the_console_streams_as_in_torchrun():
     shows = parse_args(["--local-ranks-filter", "0,2", "--nproc-per-node", "3", "t.py"], environ={}).console.shows
     assert [shows(r) for r in range(3)] == [(True, True), (False, False), (True, True)]
