@@ -28,6 +28,10 @@ SPLIT_BUCKET_BYTES = 12 * 1024 * 1024
 
 CommHook = Callable[[Any, Bucket], torch.futures.Future]
 
+# what a collective under a comm hook raises when the job, not the hook, failed (kept as it is)
+_COLLECTIVE_FAILURE: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(dist, "DistError", None),) if t is not None)
+
 Tail = Optional[tuple[torch.Tensor, Any]]  # the tail collective: (tensor, work), or none
 
 
@@ -173,7 +177,7 @@ class Collectives:
             try:
                 result = work.wait()
             except Exception as e:
-                if isinstance(e, RuntimeError):  # a collective's failure, or torch's own type for it
+                if isinstance(e, _COLLECTIVE_FAILURE):  # a peer gone, a timeout: not the hook's doing
                     raise
                 raise CommHookError(explain(  # a RuntimeError, as torch's DDP raises it
                     f"comm hook {name}'s future for bucket {bucket.index()} failed: {type(e).__name__}: {e}",

@@ -39,9 +39,13 @@ def resolve_group(process_group: Any, device_mesh: Any) -> Any:
                                    "pass one: a 1-D DeviceMesh stands for its process group.", who=_WHO))
     if device_mesh is None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            outside = isinstance(process_group, int) and process_group == getattr(dist.GroupMember,
+                                                                                  "NON_GROUP_MEMBER", None)
             raise TypeError(explain(
                 f"process_group must be a torch.distributed.ProcessGroup, or None for the default group; "
-                f"got {type(process_group).__name__} {process_group!r:.60}.",
+                f"got {type(process_group).__name__} {process_group!r:.60}"
+                + (", what dist.new_group(ranks) returns on a rank outside ranks." if outside else "."),
+                "wrap the model only on the group's ranks." if outside else
                 "pass None (ddpkit.init() or init_process_group() made the default group), or a group "
                 "from dist.new_group(ranks); a backend name goes to init_process_group(backend=...).",
                 who=_WHO))

@@ -167,7 +167,7 @@ class Reducer:
                     it.late_warned = True
                     errors.warn_at_user_code(errors.late_gradient_warning(self.rank, self.names[index]))
                 return
-            self._begin_reducing(it)  # the first gradient of this backward
+            self._begin_reducing(it, index)  # the first gradient of this backward
         if it.counting:
             self.usage.hook_counts[index] += 1
             return
@@ -199,9 +199,10 @@ class Reducer:
         if not left and b == it.next_bucket:
             self._mark_bucket_ready(it)
 
-    def _begin_reducing(self, it: Iteration) -> None:
+    def _begin_reducing(self, it: Iteration, index: int) -> None:
         """The first gradient of a synced backward: queue the wait, mark the unused parameters."""
-        if torch.is_grad_enabled():  # backward(create_graph=True): torch's reducer warns once too
+        grad = self.params[index].grad
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True): torch's reducer warns too
             errors.warn_create_graph_once(self.rank)
         if it.begin_reducing():  # backward did not come through the outputs we know of
             queue_end_of_backward_callback(self.finalize_backward)

@@ -14,34 +14,45 @@ from typing import Callable
 
 from ddpkit.errors import explain
 
-__all__ = ["ConsoleFilter", "add_torchrun_flags", "console_filter", "notes", "check_refused"]
+__all__ = ["ConsoleFilter", "Streams", "add_torchrun_flags", "console_filter", "notes", "check_refused"]
 
 _HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default, and what ddpkit stops on
 
 
 @dataclass(frozen=True)
+class Streams:
+    """torchrun's per-rank stream choice (``--redirects``, ``--tee``): 1 stdout, 2 stderr, 3 both,
+    one value for every local rank or ``LOCAL_RANK:STREAMS`` pairs (unlisted ranks: none)."""
+
+    pairs: tuple[tuple[int, int], ...] = ()
+    default: int = 0
+
+    def of(self, local_rank: int) -> int:
+        return dict(self.pairs).get(local_rank, self.default)
+
+
+@dataclass(frozen=True)
 class ConsoleFilter:
-    """Which of a worker's streams the launcher shows: ``ranks`` (None: all) from --local-ranks-filter,
-    ``redirected`` the (local rank -> streams) torchrun's --redirects sends to log files only, where
-    1 is stdout, 2 stderr and 3 both."""
+    """Which of a worker's streams the launcher shows: ``ranks`` (None: all) from --local-ranks-filter;
+    a stream --redirects sends to the log files is hidden unless --tee shows it too, as in torchrun."""
 
     ranks: frozenset[int] | None = None
-    redirected: tuple[tuple[int, int], ...] = ()
-    default_redirect: int = 0
+    redirected: Streams = Streams()
+    teed: Streams = Streams()
 
     def shows(self, local_rank: int) -> tuple[bool, bool]:
         """(stdout shown, stderr shown) for the worker of ``local_rank``."""
         if self.ranks is not None and local_rank not in self.ranks:
             return False, False
-        streams = dict(self.redirected).get(local_rank, self.default_redirect)
-        return not streams & 1, not streams & 2
+        hidden = self.redirected.of(local_rank) & ~self.teed.of(local_rank)
+        return not hidden & 1, not hidden & 2
 
 
 def add_torchrun_flags(p: argparse.ArgumentParser, pet: Callable[[str, object], object],
                        spellings: Callable[[str], list[str]]) -> None:
     p.add_argument("-t", "--tee", default=pet("tee", None), metavar="STREAMS",
-                   help="as in torchrun, output is shown on the console and, with --log-dir, also kept "
-                   "per rank: always, so this changes nothing.")
+                   help="streams --redirects sends to the log files that are shown on the console too, as "
+                   "in torchrun (output not redirected is always shown, and kept per rank with --log-dir).")
     p.add_argument("-r", "--redirects", default=pet("redirects", None), metavar="STREAMS",
                    help="with --log-dir, these streams go to the log files only (1 stdout, 2 stderr, 3 "
                    "both; or per local rank, 0:1,1:3), as in torchrun.")
@@ -68,20 +79,25 @@ def console_filter(args: argparse.Namespace) -> ConsoleFilter:
         except ValueError:
             raise ValueError(f"--local-ranks-filter {args.local_ranks_filter!r} is not a comma-separated "
                              "list of local ranks, e.g. --local-ranks-filter 0,1.") from None
-    if not args.redirects or not args.log_dir:
-        return ConsoleFilter(ranks)
-    text = str(args.redirects).strip()
+    redirected, teed = _streams("--redirects", args.redirects), _streams("--tee", args.tee)
+    return ConsoleFilter(ranks, redirected if args.log_dir else Streams(), teed)
+
+
+def _streams(flag: str, value: object) -> Streams:
+    text = str(value or "").strip()
     try:
+        if not text:
+            return Streams()
         if ":" not in text:
-            return ConsoleFilter(ranks, default_redirect=_streams(text))
+            return Streams(default=_stream(text))
         pairs = [item.split(":") for item in text.split(",")]
-        return ConsoleFilter(ranks, tuple((int(rank), _streams(streams)) for rank, streams in pairs))
+        return Streams(tuple((int(rank), _stream(streams)) for rank, streams in pairs))
     except ValueError:
-        raise ValueError(f"--redirects {text!r}: give 0-3 (1 stdout, 2 stderr, 3 both) or "
+        raise ValueError(f"{flag} {text!r}: give 0-3 (1 stdout, 2 stderr, 3 both) or "
                          "LOCAL_RANK:STREAMS pairs, e.g. 0:3,1:2.") from None
 
 
-def _streams(text: str) -> int:
+def _stream(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 3:
         raise ValueError(text)

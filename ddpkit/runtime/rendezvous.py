@@ -132,7 +132,8 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
     except (RuntimeError, OSError, TimeoutError) as e:
         try:
             joined = f"only {group.add('arrived', 0)} of WORLD_SIZE={env.world_size} ranks joined"
-            joined += _missing(group, env.world_size)
+            if env.rank == 0:  # one rank asks: every rank asking would be world_size**2 store queries
+                joined += _missing(group, env.world_size)
         except (RuntimeError, OSError):  # rank 0 gave up first and took its store with it
             joined = f"rank 0 gave up and closed the store, so not all of WORLD_SIZE={env.world_size} ranks joined"
         raise RendezvousError(explain(

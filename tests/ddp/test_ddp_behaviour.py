@@ -555,6 +555,8 @@ def _create_graph_worker() -> list[str]:
     ddp = ddpkit.DDP(nn.Linear(4, 2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        ddp(torch.ones(3, 4)).sum().backward(create_graph=True)  # linear: its gradients carry no graph
+        assert not [w for w in caught if "DistributedDataParallel" in str(w.message)]
         for _ in range(2):
             ddp.zero_grad(set_to_none=True)
             ddp(torch.ones(3, 4)).square().sum().backward(create_graph=True)
@@ -835,6 +837,13 @@ def test_a_lazy_module_is_refused_until_its_first_forward():
         ddpkit.DDP(lazy)
     lazy(torch.ones(1, 3))
     ddpkit.DDP(lazy)
+
+
+def test_a_process_group_that_is_not_a_group_is_refused_saying_what_it_is():
+    with pytest.raises(TypeError, match="got str 'gloo'.*a backend name goes to init_process_group"):
+        ddpkit.DDP(_mlp(), process_group="gloo")
+    with pytest.raises(TypeError, match="returns on a rank outside ranks. HINT: wrap the model only on the group"):
+        ddpkit.DDP(_mlp(), process_group=torch.distributed.GroupMember.NON_GROUP_MEMBER)
 
 
 def test_something_other_than_a_module_is_refused():

@@ -217,6 +217,12 @@ def _failing_future(state, bucket):  # unannotated: torch reads this file's anno
     return future
 
 
+def _failing_callback(state, bucket):  # the usual shape of a hook: a collective, then a callback
+    def decompress(future):
+        raise ValueError("decompression failed")
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(decompress)
+
+
 def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or ddpkit's
     rank, x = dist.get_rank(), torch.ones(1, 2, requires_grad=True)
     if kind == "unused":
@@ -277,9 +283,9 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
         DDP(lambda x: x)
     elif kind == "group_as_a_string":
         DDP(nn.Linear(2, 2), process_group="gloo")
-    elif kind == "hook_future_fails":
+    elif kind in ("hook_future_fails", "hook_callback_fails"):
         ddp = DDP(nn.Linear(2, 2))
-        ddp.register_comm_hook(None, _failing_future)
+        ddp.register_comm_hook(None, _failing_future if kind == "hook_future_fails" else _failing_callback)
         ddp(x).sum().backward()
 
 
@@ -328,6 +334,7 @@ _MISUSES = {
     "not_a_module": ("", False),
     "group_as_a_string": ("", False),
     "hook_future_fails": ("", True),
+    "hook_callback_fails": ("decompression failed", True),
 }
 
 
@@ -350,6 +357,8 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
         if kind == "marked_twice":  # torch names the parameter too (with TORCH_DISTRIBUTED_DEBUG unset)
             assert f"with name {facts['parameter']} has been marked as ready twice" in torch_message
             assert f"parameter '{facts['parameter']}'" in message
+        if kind in ("hook_future_fails", "hook_callback_fails"):  # named, and caused by the hook's error
+            assert ddpkit_mro[0] == "CommHookError" and "_failing_" in facts["hook"], (ddpkit_mro, facts)
         if kind == "join_exhausted":
             assert message == torch_message
         if kind == "models_differ":

@@ -207,7 +207,12 @@ def test_local_ranks_filter_and_redirects_choose_the_console_streams_as_in_torch
     shows = parse_args(["-r", "0:1,1:3", "--log-dir", "d", "t.py"], environ={}).console.shows
     assert [shows(r) for r in range(3)] == [(False, True), (False, False), (True, True)]
     assert parse_args(["--redirects", "2", "--log-dir", "d", "t.py"], environ={}).console.shows(5) == (True, False)
-    for flags in (["--local-ranks-filter", "zero"], ["-r", "7", "--log-dir", "d"], ["-r", "0:x", "--log-dir", "d"]):
+    # torchrun's tee: a redirected stream it tees is shown as well
+    shows = parse_args(["-r", "3", "-t", "1", "--log-dir", "d", "t.py"], environ={}).console.shows
+    assert shows(0) == (True, False)
+    assert parse_args(["-r", "3", "-t", "0:3", "--log-dir", "d", "t.py"], environ={}).console.shows(1) == (False, False)
+    for flags in (["--local-ranks-filter", "zero"], ["-r", "7", "--log-dir", "d"], ["-r", "0:x", "--log-dir", "d"],
+                  ["--tee", "4"]):
         with pytest.raises(ValueError, match=flags[1]):
             parse_args([*flags, "t.py"], environ={})
 

@@ -50,6 +50,16 @@ def test_no_quota_set_or_none_readable_gives_none(tmp_path):
     assert _quota(tmp_path) is None
 
 
+def test_a_path_outside_the_cgroup_namespace_or_unreadable_text_reads_no_stranger(tmp_path):
+    _write(tmp_path, "/proc/self/cgroup", "0::/../other\n")
+    _write(tmp_path, "/sys/fs/cgroup/other/cpu.max", "100000 100000\n")  # another cgroup of that name
+    assert _quota(tmp_path) is None
+    _write(tmp_path, "/sys/fs/cgroup/cpu.max", "300000 100000\n")
+    assert _quota(tmp_path) == 3.0
+    (tmp_path / "proc/self/cgroup").write_bytes(b"0::/\xff\xfe\n")
+    assert _quota(tmp_path) is None
+
+
 def test_cgroup_v1_quota_and_a_host_path_not_mounted_in_the_container(tmp_path):
     # inside a container /proc/self/cgroup names the host's hierarchy; the container sees its own root
     _write(tmp_path, "/proc/self/cgroup", "4:cpu,cpuacct:/docker/0123abcd\n2:memory:/docker/0123abcd\n")

@@ -23,7 +23,7 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", fs_root: str = "") 
     try:
         with open(fs_root + proc_cgroup) as f:
             entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
+    except (OSError, ValueError):  # ValueError: bytes that are not text
         return None
     limits: list[float] = []
     for _, controllers, path in entries:
@@ -38,8 +38,11 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", fs_root: str = "") 
 
 def _levels(fs_root: str, mounts: tuple[str, ...], path: str) -> Iterator[str]:
     """The cgroup's directory and its ancestors under each mount that exists. Inside a container the
-    path may name the host's hierarchy, which is not mounted there; its root still is."""
-    parts = [p for p in path.split("/") if p and p != ".."]
+    path may name the host's hierarchy, which is not mounted there; its root still is. A path that
+    climbs out of this cgroup namespace (``/../other``) is outside the mount: its root alone is read."""
+    parts = [p for p in path.split("/") if p]
+    if ".." in parts:
+        parts = []
     for mount in mounts:
         base = fs_root + mount
         if not os.path.isdir(base):

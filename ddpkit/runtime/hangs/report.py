@@ -104,10 +104,11 @@ def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) ->
         return (f"rank {rank} has exited without ddpkit.shutdown(): its script ended or called sys.exit() "
                 f"while other ranks still needed it (its last collective: {final['where']})")
     pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
-    if info.get("parent_exited"):
-        return (f"rank {rank} ({pid}) has died with the process that started it (pid {info['parent']}), "
-                "which is gone too: its launcher was killed (ddpkit run and torchrun take their workers "
-                "with them), or it was a script that exited without waiting for its workers")
+    if info.get("parent_exited"):  # which died first cannot be told from here
+        return (f"rank {rank} ({pid}) has died without a word, and the process that started it (pid "
+                f"{info['parent']}) is gone too: its launcher was killed (ddpkit run and torchrun take their "
+                "workers with them), or the rank was killed (SIGKILL: out of memory?) and a wrapper script "
+                "that ran it ended with it")
     if info.get("exited"):
         return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
                 "memory?), a crash in native code, or os._exit")
