@@ -22,7 +22,7 @@ from ddpkit.errors import (
     explain,
 )
 
-__all__ = ["not_a_module_error", "warn_create_graph_once", "late_gradient_warning", "warn_at_user_code",
+__all__ = ["not_a_module_error", "warn_if_create_graph", "late_gradient_warning", "warn_at_user_code",
            "second_gradient_error", "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
            "ranks_disagree_error", "refused_elsewhere_error"]
@@ -54,9 +54,10 @@ def late_gradient_warning(rank: int, name: str) -> str:
 _create_graph_warned = [False]
 
 
-def warn_create_graph_once(rank: int) -> None:
-    """backward(create_graph=True) through DDP: the gradients are averaged, their graph is not."""
-    if not _create_graph_warned[0]:
+def warn_if_create_graph(rank: int, grad: torch.Tensor | None) -> None:
+    """Once, where backward(create_graph=True) made gradients that carry a graph: DDP averages them,
+    not their graph."""
+    if grad is not None and grad.requires_grad and not _create_graph_warned[0]:
         _create_graph_warned[0] = True
         warn_at_user_code(explain(
             "Using DistributedDataParallel with create_graph=True is not well-supported. The higher-order "

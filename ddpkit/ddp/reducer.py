@@ -201,9 +201,7 @@ class Reducer:
 
     def _begin_reducing(self, it: Iteration, index: int) -> None:
         """The first gradient of a synced backward: queue the wait, mark the unused parameters."""
-        grad = self.params[index].grad
-        if grad is not None and grad.requires_grad:  # backward(create_graph=True): torch's reducer warns too
-            errors.warn_create_graph_once(self.rank)
+        errors.warn_if_create_graph(self.rank, self.params[index].grad)  # as torch's reducer does
         if it.begin_reducing():  # backward did not come through the outputs we know of
             queue_end_of_backward_callback(self.finalize_backward)
         deferred = self.usage.deferred_unused
