@@ -17,7 +17,7 @@ SPARE_CORES_CAP_BYTES = 5 << 20
 def spare_cores_per_rank(world_size: int) -> float:
     """This rank's share of the host's cores less its intra-op threads; below 1 when backward's
     threads fill every core. Unsure how many ranks share the host, it assumes all of them do."""
-    return _host_cores() / _local_ranks(world_size) - torch.get_num_threads()
+    return available_cores() / _local_ranks(world_size) - torch.get_num_threads()
 
 
 def _local_ranks(world_size: int) -> int:
@@ -30,11 +30,6 @@ def _local_ranks(world_size: int) -> int:
     except ValueError:  # launcher variables that contradict each other: init() reports those
         pass
     return max(1, world_size)
-
-
-def _host_cores() -> float:
-    """The affinity mask's cores, fewer where a cgroup quota (docker --cpus) allows less."""
-    return float(available_cores())
 
 
 def own_cpu_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, world_size: int) -> int:

@@ -93,6 +93,11 @@ class Iteration:
         if self.phase is Phase.FINALIZED:
             self.phase = Phase.IDLE
 
+    @property
+    def running(self) -> bool:
+        """A backward of this iteration is under way (it reached an output or a parameter)."""
+        return self.phase is Phase.QUEUED or self.phase is Phase.REDUCING
+
     def reach_output(self) -> bool:
         """Backward reached an output of a synced forward; True: queue the wait now."""
         if self.phase is Phase.ARMED:

@@ -133,17 +133,15 @@ class Reducer:
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: queues the wait at the end of the backward that runs
-        through them (a reentrant checkpoint's inner backward, where parameter hooks may fire
-        first, ends earlier). A backward that starts at an averaged iteration's outputs raises; one
-        that reaches them through this iteration's graph (a state carried across steps) is this one's."""
+        through them (a reentrant checkpoint's inner backward, where parameter hooks may fire first,
+        ends earlier). A backward that starts at an averaged iteration's outputs raises."""
         forward = self.forwards
 
         def check(grad: torch.Tensor) -> None:
             if forward < self._iteration.window_start:
-                if self._iteration.phase not in (Phase.QUEUED, Phase.REDUCING):
+                if not self._iteration.running:  # else reached through this one's graph: a carried state
                     raise errors.stale_output_error(self.rank, forward, self.forwards)
-                return
-            if self._iteration.reach_output():
+            elif self._iteration.reach_output():
                 queue_end_of_backward_callback(self.finalize_backward)
         return check
 

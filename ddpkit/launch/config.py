@@ -137,7 +137,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(*_spellings("run-path"), dest="run_path", action="store_true",
                    default=pet_flag("run_path"),
                    help="accepted for torchrun compatibility: the script is run by its path anyway.")
-    add_torchrun_flags(p, pet, _spellings)
+    add_torchrun_flags(p, pet, pet_flag, _spellings)
     p.add_argument(*_spellings("local-addr"), dest="local_addr", default=pet("local_addr", None),
                    metavar="ADDR", help="accepted for torchrun compatibility: the static rendezvous "
                    "needs no address of this node.")

@@ -49,7 +49,7 @@ class ConsoleFilter:
 
 
 def add_torchrun_flags(p: argparse.ArgumentParser, pet: Callable[[str, object], object],
-                       spellings: Callable[[str], list[str]]) -> None:
+                       pet_flag: Callable[[str], bool], spellings: Callable[[str], list[str]]) -> None:
     p.add_argument("-t", "--tee", default=pet("tee", None), metavar="STREAMS",
                    help="streams --redirects sends to the log files that are shown on the console too, as "
                    "in torchrun (output not redirected is always shown, and kept per rank with --log-dir).")
@@ -67,7 +67,7 @@ def add_torchrun_flags(p: argparse.ArgumentParser, pet: Callable[[str, object], 
         dest = name.replace("-", "_")
         p.add_argument(*spellings(name), dest=dest, default=pet(dest, default), help=quiet)
     p.add_argument(*spellings("virtual-local-rank"), dest="virtual_local_rank", action="store_true",
-                   default=str(pet("virtual_local_rank", "0")) not in ("", "0"),
+                   default=pet_flag("virtual_local_rank"),
                    help="refused: LOCAL_RANK stays each worker's local rank.")
 
 

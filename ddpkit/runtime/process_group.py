@@ -94,12 +94,10 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if dist.is_initialized():
         env = _adopt_existing_group()
     else:
-        env = detect(os.environ)
-        backend = _choose_backend(backend or os.environ.get("DDPKIT_BACKEND") or None)
-        device = _choose_device(backend, env)
+        env, backend = _plan(os.environ, backend)
         _take_share_of_cores(env)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)
         if env.world_size == 1:
             # A world of one needs no network: an in-process store is enough. With NCCL, Gloo
             # serves CPU tensors too, so user code may reduce tensors on either device.
@@ -113,7 +111,6 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
             store = rendezvous(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
-        env = env.replace(backend=None if env.launcher == "single" else backend, device=device)
         atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs
         atexit.register(_let_collective_threads_settle)
     if _watch[0] is not None:  # the group it watched was destroyed behind shutdown()'s back
@@ -201,9 +198,16 @@ def is_main_process() -> bool:
 def planned_env(environ: Mapping[str, str]) -> DistEnv:
     """The DistEnv ``init()`` would return in this environment (backend and device included), without
     joining anything: what ``ddpkit env`` prints."""
+    return _plan(environ, None)[0]
+
+
+def _plan(environ: Mapping[str, str], backend: str | None) -> tuple[DistEnv, str]:
+    """The DistEnv ``init()`` returns, and the backend its group is made with (a world of one started
+    without a launcher has one, though its DistEnv reports None)."""
     env = detect(environ)
-    backend = _choose_backend(environ.get("DDPKIT_BACKEND") or None)
-    return env.replace(backend=None if env.launcher == "single" else backend, device=_choose_device(backend, env))
+    backend = _choose_backend(backend or environ.get("DDPKIT_BACKEND") or None)
+    device = _choose_device(backend, env)
+    return env.replace(backend=None if env.launcher == "single" else backend, device=device), backend
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:

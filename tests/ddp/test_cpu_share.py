@@ -52,7 +52,7 @@ def test_spare_cores_are_the_ranks_share_less_its_threads(monkeypatch, environ, 
         monkeypatch.delenv(name, raising=False)
     for name, value in {**launched, **environ}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cpu_share, "_host_cores", lambda: float(cores))
+    monkeypatch.setattr(cpu_share, "available_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert cpu_share.spare_cores_per_rank(world_size) == expected
 
