@@ -136,6 +136,17 @@ class Collectives:
             return tail[0], False
         return None, self._failed(tail, last)
 
+    def shadow(self, buckets: Sequence[Bucket], used_map: Callable[[], torch.Tensor] | None,
+               static_graph: bool) -> None:
+        """A joined rank's share of ``finish``: every bucket's all-reduce with zeros, and the tail;
+        raise with the active ranks if one of them lacked gradients, naming none of ours."""
+        works, zeros = [], None
+        for bucket in buckets:
+            zeros = bucket.zeros_like()
+            works.append(self.launch(zeros))
+        if self.finish(works, used_map, False, zeros)[1]:
+            self.raise_missing([], static_graph)
+
     def raise_missing(self, names: list[str], static_graph: bool) -> None:
         """Raise on every rank, each naming its parameters that got no gradient."""
         everyone = all_gather_object((self.rank, names), group=self.group)

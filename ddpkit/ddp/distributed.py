@@ -29,6 +29,7 @@ from ddpkit.ddp.arguments import (
 )
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
+from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.errors import not_a_module_error
 from ddpkit.ddp.join import JoinSupport
@@ -131,6 +132,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         # a walk that costs time in proportion to its modules (see docs/performance.md)
         self._has_buffers = any(True for _ in self._synced_buffers())
         self.reducer: Reducer | None = None  # none in a world of one: nothing to average
+        self.logger = DDPLogger(self)  # torch's logging data: facts, sampled timings, the last error
         self._delayed: DelayedAllReduce | None = None
         if self.world_size > 1 and delayed:
             self._delayed = DelayedAllReduce([p for _, p in delayed], param_to_hook_all_reduce, self.process_group)
@@ -147,6 +149,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             if self.reducer is not None and mp.needs_reduce_hook(self.mixed_precision, self.reducer.params):
                 self.reducer.register_comm_hook((self.process_group, self.mixed_precision.effective_reduce_dtype),
                                                 mp.allreduce_in_dtype_hook)
+        self._log_construction()
 
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
                                  lambda self, value: setattr(self, "forward_sync_buffers", value),
@@ -172,13 +175,16 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
-        return Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
-                       self.bucket_bytes_cap, self._first_bucket_bytes,
-                       find_unused_parameters=self.find_unused_parameters,
-                       gradient_as_bucket_view=self.gradient_as_bucket_view,
-                       static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
-                       skip_unused=self.skip_all_reduce_unused_params,
-                       sparse=sparse_gradient_names(self.module, [n for n, _ in named]), **self._reducer_options)
+        reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
+                                 self.bucket_bytes_cap, self._first_bucket_bytes,
+                                 find_unused_parameters=self.find_unused_parameters,
+                                 gradient_as_bucket_view=self.gradient_as_bucket_view,
+                                 static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
+                                 skip_unused=self.skip_all_reduce_unused_params,
+                                 sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
+                          **self._reducer_options)
+        reducer.logger = self.logger
+        return reducer
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
         ignore = self.parameters_to_ignore
@@ -216,6 +222,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
+            self.logger.set_runtime_stats_and_log()  # the iteration before, if it was sampled
             self.reducer.prepare_for_forward()
         work = Join.notify_join_context(self)
         if work is not None and not self._divide_by_initial_world_size:
@@ -241,6 +248,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             search = self.find_unused_parameters and not self.static_graph
             unused = unreached_parameters(outputs, self.reducer.index_of) if search else ()
             self.reducer.prepare_for_backward(unused)
+            if search:  # torch logs whether the unused ones stay the same (can_set_static_graph)
+                self.logger.note_unused(self.reducer.forwards, unused)
             # the hooks say where backward ends: look into a plain output object too (torch's
             # search above does not, and find_unused_parameters keeps its answer)
             hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]
@@ -281,20 +290,21 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         finally:
             self.require_backward_grad_sync = previous
 
+    @logs_errors
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""
         check_comm_hook(hook, self.rank)
         if self._python_reducer is not None:  # torch's python reducer calls it per gradient
             self._python_reducer.comm_hooks.append((hook, state))
-            return
-        if self.mixed_precision is not None and self.reducer is not None:
+        elif self.mixed_precision is not None and self.reducer is not None:
             raise mp.refuse_comm_hook(self.rank, hook)
-        if self.reducer is None and self.process_group is not None:
-            # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
-            # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
-            self.reducer = self._make_reducer(self._parameters_to_reduce())
-        if self.reducer is not None:  # no process group at all: no collective the hook could call
+        elif self.process_group is not None:  # else no collective the hook could call
+            if self.reducer is None:
+                # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
+                # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
+                self.reducer = self._make_reducer(self._parameters_to_reduce())
             self.reducer.register_comm_hook(state, hook)
+        self.logger._set_comm_hook_name(getattr(hook, "__qualname__", repr(hook)))
 
 
 DDP = DistributedDataParallel

@@ -11,7 +11,7 @@ the collectives an active rank's iteration issues, in the same order:
     bucket rebuild broadcast, once              the same
     buffer broadcast, if due                    the same, from the same source rank
     'sync this backward?' all-reduce (1)        the same (0), and learn the answer
-    bucket all-reduces + tail collective        the same, with zeros (Reducer.shadow_backward)
+    bucket all-reduces + tail collective        the same, with zeros (Reducer.shadow_backward, Collectives.shadow)
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddpkit.ddp.ddp_logger import logs_errors
 from ddpkit.errors import explain
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ __all__ = ["DDPJoinHook", "JoinSupport"]
 class JoinSupport(Joinable):
     """The join half of DistributedDataParallel: ``ddp.join()`` and torch's Joinable interface."""
 
+    @logs_errors
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
         """Context manager for ranks with different numbers of batches (torch's ``ddp.join``).
@@ -61,6 +63,7 @@ class JoinSupport(Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        self.logger._set_uneven_input_join()  # as torch's join hook tells its logger
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.python_reducer import python_reducer_for
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
@@ -30,7 +31,7 @@ class PicklingSupport(nn.Module):
             raise NotImplementedError("DistributedDataParallel with delay_all_reduce_named_params cannot be "
                                       "pickled or deep-copied. HINT: copy or save its .module instead.")
         state = super().__getstate__()
-        del state["process_group"], state["reducer"]
+        del state["process_group"], state["reducer"], state["logger"]
         state["_python_reducer"] = None  # its hooks are on the original's parameters
         return state
 
@@ -40,8 +41,10 @@ class PicklingSupport(nn.Module):
         super().__setstate__(state)
         self._join_group(default_group())
         self.reducer = None
+        self.logger = DDPLogger(self)
         if self.world_size > 1:  # as the constructor chooses
             named = self._parameters_to_reduce()
             self._python_reducer = python_reducer_for(self, [p for _, p in named])
             if self._python_reducer is None:
                 self.reducer = self._make_reducer(named)
+        self._log_construction()

@@ -29,6 +29,7 @@ from ddpkit.ddp.bucket import Bucket, copy_in, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
 from ddpkit.ddp.cpu_share import own_cpu_cap
+from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.profiling import bucket_range, profiled
@@ -73,6 +74,7 @@ class Reducer:
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
+        self.logger = DDPLogger()  # the DDP gives it its own: sampled timings, the last error
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
         # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
         # see Note [Accumulator hooks] in docs/design.md
@@ -99,7 +101,7 @@ class Reducer:
     def set_static_graph(self) -> None:
         """Turn static_graph on before the first forward."""
         if self.forwards:
-            raise errors.late_static_graph_error(self.rank, self.forwards)
+            raise self.logger.logged(errors.late_static_graph_error(self.rank, self.forwards))
         self.usage.static_graph = True
         self.layout.expect_rebuild()
         self._renew()
@@ -121,8 +123,9 @@ class Reducer:
         if it.phase is Phase.REDUCING:  # its collectives finish before the buckets fill again
             self.collectives.drain(it.works)
             self._end_iteration(it, Phase.IDLE, counted=False)
-            raise errors.unfinished_backward_error(self.rank)
+            raise self.logger.logged(errors.unfinished_backward_error(self.rank))
         it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
+        self.logger.start_forward(self.forwards + 1)
 
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
@@ -130,6 +133,8 @@ class Reducer:
         self.forwards += 1
         self._iteration.arm(self.forwards)
         self.usage.note_forward(unused, self.iterations)
+        if self.logger.timing:  # a sampled iteration: its backward begins, its gradients' order is noted
+            self._iteration.record = self.logger.start_backward(self._iteration.record)
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: queues the wait at the end of the backward that runs
@@ -140,7 +145,7 @@ class Reducer:
         def check(grad: torch.Tensor) -> None:
             if forward < self._iteration.window_start:
                 if not self._iteration.running:  # else reached through this one's graph: a carried state
-                    raise errors.stale_output_error(self.rank, forward, self.forwards)
+                    raise self.logger.logged(errors.stale_output_error(self.rank, forward, self.forwards))
             elif self._iteration.reach_output():
                 queue_end_of_backward_callback(self.finalize_backward)
         return check
@@ -172,13 +177,14 @@ class Reducer:
         left = it.hooks_left
         if left is not None:
             if not left[index]:
-                raise errors.static_graph_changed_error(self.rank, self.names[index], self.usage.hook_counts[index])
+                raise self.logger.logged(errors.static_graph_changed_error(self.rank, self.names[index],
+                                                                     self.usage.hook_counts[index]))
             left[index] -= 1
             if left[index]:  # more reentrant backwards will add to this gradient
                 return
         ready = it.ready
         if ready[index]:
-            raise errors.second_gradient_error(self.rank, self.names[index], it.used[index])
+            raise self.logger.logged(errors.second_gradient_error(self.rank, self.names[index], it.used[index]))
         ready[index] = True
         slot = it.big_slot[index]
         if slot is not None and self._join_work is None:  # else at _launch, once the scale is known
@@ -225,6 +231,8 @@ class Reducer:
             bucket.fill(it.scale if self.collectives.comm_hook is None else None, self.as_view, it.copied)
         # skip_all_reduce_unused_params: torch's contract is that every rank leaves the same ones unused
         skip = self.skip_unused and not any(it.used[i] for i in bucket.param_indices)
+        if self.logger.timing and it.next_bucket == 0:
+            self.logger.mark("backward_comm")
         with outside_backward_python_context():
             it.works.append(self.collectives.skipped(bucket) if skip else self.collectives.launch(bucket))
 
@@ -237,6 +245,9 @@ class Reducer:
         if it.phase is not Phase.REDUCING:
             it.rearm()
             return
+        timing = self.logger.timing
+        if timing:
+            self.logger.mark("backward_compute_end")
         with outside_backward_python_context():
             outcome, buckets = Phase.IDLE, self.layout.buckets
             try:
@@ -252,6 +263,11 @@ class Reducer:
                     self.collectives.raise_missing([self.names[i] for i in missing], self.usage.static_graph)
                 self.layout.write_back(self.usage.write_mask)
                 outcome = Phase.FINALIZED
+                if timing:
+                    self.logger.end_backward(self.params, it.used, buckets, self.skip_unused)
+            except Exception as e:
+                self.logger.logged(e)
+                raise
             finally:
                 self._end_iteration(it, outcome)
 
@@ -272,14 +288,8 @@ class Reducer:
     def shadow_backward(self) -> None:
         """A joined rank's backward: the collectives of an active rank's ``finalize_backward``, in
         order, with zero gradients (see Note [Join shadowing] in docs/design.md)."""
-        it = self._iteration
-        works, zeros = [], None
-        for bucket in self.layout.buckets:
-            zeros = bucket.zeros_like()
-            works.append(self.collectives.launch(zeros))
-        used_map = self.usage.shadow_used_map if it.tolerant else None
-        if self.collectives.finish(works, used_map, False, zeros)[1]:  # an active rank lacked gradients:
-            self.collectives.raise_missing([], self.usage.static_graph)  # raise with it, naming none of ours
+        used_map = self.usage.shadow_used_map if self._iteration.tolerant else None
+        self.collectives.shadow(self.layout.buckets, used_map, self.usage.static_graph)
         self.iterations += 1
         self._renew()
 

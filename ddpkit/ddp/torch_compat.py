@@ -12,10 +12,11 @@ import warnings
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.outputs import to_device
+from ddpkit.ddp.sync_batchnorm import SyncBatchNorm
 from ddpkit.dp.scatter_gather import gather, scatter_kwargs
 from ddpkit.errors import explain
 
@@ -28,8 +29,8 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 class TorchCompat:
     """torch's remaining DDP members, for ``DistributedDataParallel`` (which sets what they read)."""
 
-    logger: Any = None
-    """torch's C++ ``dist.Logger``; ddpkit has none (its facts: ``_get_ddp_logging_data()``)."""
+    logger: DDPLogger
+    """torch's ``dist.Logger``: what ``_get_ddp_logging_data()`` reads (ddpkit.ddp.ddp_logger)."""
 
     def _set_torch_attributes(self, params: Sequence[torch.Tensor]) -> None:
         """torch's plain attributes, with its values; ``params``: the parameters DDP handles."""
@@ -102,6 +103,7 @@ class TorchCompat:
         if self.reducer is not None:
             self.reducer.set_static_graph()
         self.static_graph = True
+        self.logger._set_static_graph()
 
     # ---- private state that libraries read -------------------------------------------------
     @property
@@ -110,29 +112,28 @@ class TorchCompat:
         reducer = self.reducer
         return reducer is not None and reducer.layout._rebuild_planned and reducer.layout.rebuilt
 
+    # ---- torch's logging data ------------------------------------------------------------------
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """ddpkit's facts under the keys of torch's logging data that ddpkit knows (torch's C++
-        logger is not there: timings and environment keys are absent, ``.get`` gives None)."""
-        reducer = self.reducer
-        buckets = reducer.buckets if reducer is not None else []
-        params = [p for b in buckets for p in b.params]
-        data: dict[str, Any] = {
-            "world_size": self.world_size, "rank": self.rank, "module_name": type(self.module).__name__,
-            "device_ids": ", ".join(map(str, self.device_ids or ())),
-            "output_device": -1 if self.output_device is None else self.output_device.index,
-            "backend_name": dist.get_backend(self.process_group) if self.process_group is not None else "",
-            "broadcast_buffers": int(self.forward_sync_buffers), "bucket_cap_bytes": self.bucket_bytes_cap,
-            "find_unused_parameters": int(self.find_unused_parameters),
-            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-            "static_graph": int(self.static_graph), "is_multi_device_module": int(self.is_multi_device_module),
-            "num_parameter_tensors": len(params),
-            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "bucket_sizes": ", ".join(str(sum(p.numel() * p.element_size() for p in b.params)) for b in buckets),
-            "iteration": reducer.iterations if reducer is not None else 0,
-        }
-        if reducer is not None and reducer.iterations:
-            data["has_rebuilt_buckets"] = int(self._has_rebuilt_buckets)
-        return data
+        """torch's logging data, under its keys: the construction facts, the environment, what the
+        last sampled iteration measured, and the last error (ddpkit.ddp.ddp_logger)."""
+        data = self.logger._get_ddp_logging_data()
+        return {**data.strs_map, **data.ints_map}
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """Time the first ten iterations, then every ``sample_rate``-th (torch's default: 100)."""
+        if sample_rate < 1:
+            raise self.logger.logged(ValueError(explain(
+                f"DDP runtime logging sample rate should be equal or greater than 1, got {sample_rate!r}.",
+                "pass 1 to time every iteration, or more to time fewer.", who="DistributedDataParallel",
+                rank=self.rank)))
+        self.logger.sample_rate = sample_rate
+
+    def _log_construction(self) -> None:
+        """The facts torch's logger takes at construction (a copy made by unpickling logs anew)."""
+        self.logger.set_construction_data_and_log(
+            type(self.module).__name__, list(self.device_ids or ()),
+            -1 if self.output_device is None else self.output_device.index, self.forward_sync_buffers,
+            any(isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm)) for m in self.module.modules()), self.static_graph)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """torch's built-in hooks by name (``dist.BuiltinCommHookType``): its Python twins from ddpkit.hooks."""
@@ -145,6 +146,7 @@ class TorchCompat:
                                      "pass dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS.",
                                      who="DistributedDataParallel", rank=self.rank))
         self.register_comm_hook(self.process_group, hooks[name])
+        self.logger._set_comm_hook_name(str(comm_hook_type))
 
     def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
         """torch's optimizer-in-backward: out of ddpkit (its reducer has no optimizer step)."""
