@@ -61,7 +61,7 @@ def logs_errors(method: Callable) -> Callable:
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
-            self.logger.logged(e)
+            self.logger.logged(e, typed=True)
             raise
     return logging_errors
 
@@ -78,8 +78,9 @@ class DDPLogger:
     """``dist.Logger``'s members, for one DistributedDataParallel (held weakly, as torch's reducer
     holds its logger). ``None``: a reducer's own, before a DDP gives it one; it records errors only.
 
-    The reducer calls ``start_forward`` and, on sampled iterations (``timing``), ``mark`` and
-    ``end_backward``; the DDP calls ``set_runtime_stats_and_log`` before each synced forward.
+    The DDP calls ``start_forward`` as each synced forward begins (which reports the iteration before
+    it if that was sampled); on a sampled iteration (``timing``) the reducer calls ``start_backward``,
+    ``mark`` and ``end_backward``.
     """
 
     def __init__(self, ddp: Any = None):
@@ -91,11 +92,15 @@ class DDPLogger:
         self._times: dict[str, int] = {}
         self._backward: tuple[int, int] = (0, 0)  # unused parameter bytes, buckets reduced
         self._samples = 0  # torch's num_iterations_stats_recorded_
+        self.forwards = 0  # synced forwards begun: torch's num_iterations_
         self._unused: set[int] | None = None  # find_unused_parameters: the last forward's unused ones
 
     # ---- torch's dist.Logger members -----------------------------------------------------------
     def _get_ddp_logging_data(self) -> LoggingData:
-        return self.data
+        """A copy, as torch's returns one: it does not change with later iterations."""
+        data = LoggingData()
+        data.strs_map, data.ints_map = dict(self.data.strs_map), dict(self.data.ints_map)
+        return data
 
     def _set_comm_hook_name(self, name: str) -> None:
         self.data.strs_map["comm_hook"] = name
@@ -110,9 +115,11 @@ class DDPLogger:
         self.data.ints_map["has_error"] = 1
         self.data.strs_map["error"] = error
 
-    def logged(self, error: BaseException) -> BaseException:
-        """``error``, noted first as torch's DDP notes an error it raises (``raise logger.logged(e)``)."""
-        self.set_error_and_log(f"{type(error)}: {error}")
+    def logged(self, error: BaseException, typed: bool = False) -> BaseException:
+        """``error``, noted first as torch's DDP notes an error it raises (``raise logger.logged(e)``):
+        its message, as torch's reducer checks note theirs, or ``typed``, with its class first, as
+        torch's Python side does (``_log_and_throw``)."""
+        self.set_error_and_log(f"{type(error)}: {error}" if typed else str(error))
         return error
 
     def set_construction_data_and_log(self, module_name: str, device_ids: list[int], output_device: int,
@@ -147,15 +154,15 @@ class DDPLogger:
 
     def set_runtime_stats_and_log(self) -> None:
         """Before a synced forward: if the iteration before it was sampled, take what it measured."""
+        if not self.sampled(self.forwards):
+            return
         ddp = self._ddp()
         reducer = ddp.reducer if ddp is not None else None
-        if reducer is None or not self.sampled(reducer.forwards):
-            return
         self._samples += 1
         strs, ints = self.data.strs_map, self.data.ints_map
-        ints["iteration"] = reducer.forwards
+        ints["iteration"] = self.forwards
         ints["unused_parameter_size"], ints["num_buckets_reduced"] = self._backward
-        rebuilt = int(ddp._has_rebuilt_buckets)
+        rebuilt = int(ddp is not None and ddp._has_rebuilt_buckets)
         if ints.get("has_rebuilt_buckets", 0) != rebuilt:  # the buckets settle once: say so once
             strs["rebuilt_bucket_sizes"] = self._bucket_sizes()
             strs["rebuilt_per_bucket_param_indices"] = ", ".join(
@@ -176,35 +183,47 @@ class DDPLogger:
         if dist.get_debug_level() == dist.DebugLevel.DETAIL:
             _log.info("[Rank %d / %d] [before iteration %d] Training %s unused_parameter_size=%d \n Avg forward "
                       "compute time: %d \n Avg backward compute time: %d \nAvg backward comm. time: %d \n Avg "
-                      "backward comm/comp overlap time: %d", ddp.rank, ddp.world_size, reducer.forwards,
-                      strs.get("module_name"), ints["unused_parameter_size"], ints.get("avg_forward_compute_time", 0),
-                      ints.get("avg_backward_compute_time", 0), ints.get("avg_backward_comm_time", 0),
-                      ints.get("avg_backward_compute_comm_overlap_time", 0))
+                      "backward comm/comp overlap time: %d", ints.get("rank", 0), ints.get("world_size", 1),
+                      self.forwards, strs.get("module_name"), ints["unused_parameter_size"],
+                      ints["avg_forward_compute_time"], ints["avg_backward_compute_time"],
+                      ints["avg_backward_comm_time"], ints["avg_backward_compute_comm_overlap_time"])
 
-    # ---- what the reducer tells it -------------------------------------------------------------
+    # ---- what the DDP and its reducer tell it --------------------------------------------------
     def sampled(self, iteration: int) -> bool:
         """torch's ``should_collect_runtime_stats`` for synced forward number ``iteration``."""
         return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
 
-    def note_unused(self, iteration: int, unused: Sequence[int]) -> None:
-        """find_unused_parameters' search found ``unused`` in forward number ``iteration``. As torch,
-        ``can_set_static_graph`` is logged 0, with the iteration, the first time the set changes."""
-        now = set(unused)
-        if self._unused is not None and now != self._unused and "can_set_static_graph" not in self.data.ints_map:
-            self.data.ints_map.update(can_set_static_graph=0, iteration=iteration)
-        self._unused = now
-
-    def start_forward(self, iteration: int) -> bool:
-        """Synced forward number ``iteration`` begins; True: it is sampled, and timed from now."""
-        self.timing = self.sampled(iteration)
+    def start_forward(self) -> None:
+        """A synced forward begins (torch's iteration: counted even if the forward then fails): report
+        the iteration before if it was sampled, and time this one if it is."""
+        self.set_runtime_stats_and_log()
+        self.forwards += 1
+        self.timing = self.sampled(self.forwards)
         if self.timing:
             self._times = {"forward": time.time_ns()}
-        return self.timing
 
-    def start_backward(self, record: list[int] | None) -> list[int]:
-        """A sampled iteration's forward ended; returns the list its gradient-ready order goes into
+    def end_forward(self) -> None:
+        """A forward without a reducer (a world of one) ended: no backward of DDP's to time."""
+        if self.timing:
+            self.mark("backward_compute")
+            self.timing = False
+
+    def note_unused(self, unused: Sequence[int]) -> None:
+        """find_unused_parameters' search found ``unused`` in this forward. As torch,
+        ``can_set_static_graph`` is logged 0, with the iteration, the first time the set changes."""
+        if "can_set_static_graph" in self.data.ints_map:  # said once; no search results kept after
+            return
+        now = set(unused)
+        if self._unused is not None and now != self._unused:
+            self.data.ints_map.update(can_set_static_graph=0, iteration=self.forwards)
+        self._unused = now
+
+    def start_backward(self, record: list[int] | None, unused: Sequence[torch.Tensor]) -> list[int]:
+        """A sampled iteration's forward ended, leaving ``unused`` out (torch resets its counts here:
+        what it reports if no backward follows); returns the list its gradient-ready order goes into
         (``record``: the one a bucket rebuild fills already)."""
         self.mark("backward_compute")
+        self._backward = (sum(p.numel() * p.element_size() for p in unused), 0)
         self.grad_order = [] if record is None else record
         return self.grad_order
 

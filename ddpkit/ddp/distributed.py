@@ -176,12 +176,12 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:
         reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group,
-                                 self.bucket_bytes_cap, self._first_bucket_bytes,
-                                 find_unused_parameters=self.find_unused_parameters,
-                                 gradient_as_bucket_view=self.gradient_as_bucket_view,
-                                 static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
-                                 skip_unused=self.skip_all_reduce_unused_params,
-                                 sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
+                          self.bucket_bytes_cap, self._first_bucket_bytes,
+                          find_unused_parameters=self.find_unused_parameters,
+                          gradient_as_bucket_view=self.gradient_as_bucket_view,
+                          static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
+                          skip_unused=self.skip_all_reduce_unused_params,
+                          sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
                           **self._reducer_options)
         reducer.logger = self.logger
         return reducer
@@ -218,12 +218,13 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.device_ids:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
-        if self.reducer is None:
-            return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.require_backward_grad_sync:
-            self.logger.set_runtime_stats_and_log()  # the iteration before, if it was sampled
-            self.reducer.prepare_for_forward()
+            self.logger.start_forward()  # torch's iteration count, and its sampled timings
+            if self.reducer is not None:
+                self.reducer.prepare_for_forward()
+        if self.reducer is None:
+            return inputs, kwargs
         work = Join.notify_join_context(self)
         if work is not None and not self._divide_by_initial_world_size:
             self.reducer.set_join_count(work)
@@ -240,6 +241,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         if self._delayed is not None:
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.reducer is None:
+            self.logger.end_forward()
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
@@ -249,7 +251,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             unused = unreached_parameters(outputs, self.reducer.index_of) if search else ()
             self.reducer.prepare_for_backward(unused)
             if search:  # torch logs whether the unused ones stay the same (can_set_static_graph)
-                self.logger.note_unused(self.reducer.forwards, unused)
+                self.logger.note_unused(unused)
             # the hooks say where backward ends: look into a plain output object too (torch's
             # search above does not, and find_unused_parameters keeps its answer)
             hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]

@@ -57,6 +57,7 @@ class JoinSupport(Joinable):
                 "world size, so join's divide_by_initial_world_size=False would be ignored.",
                 "give every rank the same number of batches, or leave mixed_precision out.",
                 who="DistributedDataParallel", rank=self.rank))
+        self.logger._set_uneven_input_join()  # as torch's, in a world of one too
         if self.reducer is None:
             return contextlib.nullcontext()
         return Join([self], enable, throw_on_early_termination,

@@ -125,7 +125,6 @@ class Reducer:
             self._end_iteration(it, Phase.IDLE, counted=False)
             raise self.logger.logged(errors.unfinished_backward_error(self.rank))
         it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
-        self.logger.start_forward(self.forwards + 1)
 
     def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
@@ -134,7 +133,8 @@ class Reducer:
         self._iteration.arm(self.forwards)
         self.usage.note_forward(unused, self.iterations)
         if self.logger.timing:  # a sampled iteration: its backward begins, its gradients' order is noted
-            self._iteration.record = self.logger.start_backward(self._iteration.record)
+            self._iteration.record = self.logger.start_backward(
+                self._iteration.record, [self.params[i] for i in unused or self.usage.static_unused])
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: queues the wait at the end of the backward that runs

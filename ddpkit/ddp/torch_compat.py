@@ -125,7 +125,7 @@ class TorchCompat:
             raise self.logger.logged(ValueError(explain(
                 f"DDP runtime logging sample rate should be equal or greater than 1, got {sample_rate!r}.",
                 "pass 1 to time every iteration, or more to time fewer.", who="DistributedDataParallel",
-                rank=self.rank)))
+                rank=self.rank)), typed=True)
         self.logger.sample_rate = sample_rate
 
     def _log_construction(self) -> None:
