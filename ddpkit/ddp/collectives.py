@@ -84,8 +84,8 @@ class Collectives:
         if not callable(getattr(future, "wait", None)):  # then() gives torch._C.Future
             name = _name_of(self.comm_hook)
             raise CommHookError(explain(
-                f"comm hook {name} returned {type(future).__name__} for bucket {bucket.index()}, but must "
-                "return a torch.futures.Future object holding the reduced bucket.",
+                f"comm hook {name} for bucket {bucket.index()}: callback must return a torch.futures.Future "
+                f"object, but got {type(future).__name__}. The Future must hold the reduced bucket.",
                 "return e.g. dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(...).",
                 who="DistributedDataParallel", rank=self.rank), rank=self.rank, hook=name)
         return future

@@ -206,7 +206,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert out["hook_returns_tensor"].startswith("CommHookError: ")  # a TypeError too
         assert out["hook_wrong_size"].startswith("CommHookError: ")  # a RuntimeError too
         assert f"rank {rank}: comm hook '_misuse_worker.<locals>.hook_returning.<locals>.<lambda>' " \
-               "returned Tensor for bucket 0, but must return a torch.futures.Future object" \
+               "for bucket 0: callback must return a torch.futures.Future object, but got Tensor" \
                in out["hook_returns_tensor"]
         assert "for bucket 0 holds a tensor of 3 elements, but the bucket has 216 elements" in out["hook_wrong_size"]
         late = out["late_static_graph"]
