@@ -23,6 +23,11 @@ exception or torch's skip reason, the seconds taken and the DDP constructions se
 (most then fail in torch too: they call CUDA).
 ``-k SUBSTRING`` narrows the selection, ``--timeout`` is the per-test limit (torch's
 ``DISTRIBUTED_TESTS_DEFAULT_TIMEOUT``). Named ``run.py`` so that pytest does not collect it: it needs minutes.
+
+``--suite c10d_gloo --torch-tests DIR`` runs instead torch's ``test/distributed/test_c10d_gloo.py``
+(``DistributedDataParallelTest``, with what it inherits from ``test_c10d_common.py``), which the wheel does not
+ship: DIR holds both files from torch's source tree. The swap then covers the ``DistributedDataParallel`` name
+both modules import.
 """
 from __future__ import annotations
 
@@ -39,6 +44,10 @@ import unittest
 __all__ = ["main"]
 
 _OUT = os.environ.get("DDPKIT_SUITE_OUT", "")
+for _flag, _var in (("--suite", "DDPKIT_SUITE"), ("--torch-tests", "DDPKIT_SUITE_TESTS")):
+    if _flag in sys.argv:  # the spawned ranks read them when they re-import this file
+        os.environ[_var] = sys.argv[sys.argv.index(_flag) + 1]
+_C10D = os.environ.get("DDPKIT_SUITE") == "c10d_gloo"
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ddpkit-torchsuite-"))
@@ -49,10 +58,19 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.parallel  # noqa: E402
+from gates import gpu_skip, ungate  # noqa: E402  (beside this file)
 from torch.testing._internal import common_distributed  # noqa: E402
-from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
 
 import ddpkit  # noqa: E402
+
+if _C10D:  # torch's source-tree tests: DistributedDataParallelTest, 2 ranks on Gloo
+    sys.path.insert(0, os.environ.get("DDPKIT_SUITE_TESTS", "."))
+    import test_c10d_common  # noqa: E402
+    import test_c10d_gloo  # noqa: E402
+    _BASE, _SUITE_MODULES = test_c10d_gloo.DistributedDataParallelTest, (test_c10d_gloo, test_c10d_common)
+else:
+    from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
+    _BASE, _SUITE_MODULES = dt.DistributedTest._DistTestBase, (dt,)
 
 _TORCH_DDP = torch.nn.parallel.DistributedDataParallel
 _CURRENT: dict[str, str] = {"test": "unknown"}
@@ -78,12 +96,17 @@ def _count_constructions(cls: type, kind: str) -> None:
 
 
 def _swap() -> None:
-    """In every process: point the names distributed_test.py uses at ddpkit's class, if asked."""
+    """In every process: point the names the tests use at ddpkit's class, if asked."""
     _count_constructions(_TORCH_DDP, "torch")
     _count_constructions(ddpkit.DistributedDataParallel, "ddpkit")
-    if os.environ.get("DDPKIT_SUITE_DDP") == "ddpkit":
+    _swap_in_parent(os.environ.get("DDPKIT_SUITE_DDP", "torch"))
+
+
+def _swap_in_parent(kind: str) -> None:
+    if kind == "ddpkit":
         torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
-        dt.DistributedDataParallel = ddpkit.DistributedDataParallel
+        for module in _SUITE_MODULES:
+            module.DistributedDataParallel = ddpkit.DistributedDataParallel
 
 
 class _SkipReasons(logging.Handler):
@@ -95,44 +118,16 @@ class _SkipReasons(logging.Handler):
                 f.write(str(record.args[-1]))
 
 
-def _ungate() -> None:
-    """Replace each skip_if_lt_x_gpu wrapper of the selected tests by the function it wraps."""
-    base = dt.DistributedTest._DistTestBase
-    for name in [n for n in dir(base) if n.startswith("test_")]:
-        fn, outer = getattr(base, name), None
-        chain = []
-        while fn is not None:
-            chain.append(fn)
-            fn = getattr(fn, "__wrapped__", None)
-        for i, f in enumerate(chain[:-1]):
-            code = getattr(f, "__code__", None)
-            if code is not None and code.co_qualname.startswith("skip_if_lt_x_gpu.<locals>"):
-                if i == 0:
-                    setattr(base, name, chain[1])
-                else:
-                    outer = chain[i - 1]
-                    cells = dict(zip(outer.__code__.co_freevars, outer.__closure__))
-                    for cell in cells.values():
-                        if cell.cell_contents is f:
-                            cell.cell_contents = chain[i + 1]
-                break
-
-
 _swap()
 if os.environ.get("DDPKIT_SUITE_UNGATE"):
-    _ungate()
+    ungate(_BASE)
 if __name__ == "__mp_main__":
     common_distributed.logger.setLevel(logging.INFO)
     common_distributed.logger.addHandler(_SkipReasons())
 
 
-class TestDistBackendWithSpawn(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
-    """What torch's test_distributed_spawn.py builds, plus the test name recorded in each rank."""
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
-        torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+class _Named:
+    """The test name recorded in each rank (for the count of DDP constructions)."""
 
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
@@ -141,8 +136,23 @@ class TestDistBackendWithSpawn(dt.TestDistBackend, dt.DistributedTest._DistTestB
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
+if _C10D:
+    class SuiteTest(_Named, _BASE):
+        """test_c10d_gloo's DistributedDataParallelTest, which spawns its ranks itself."""
+else:
+    class SuiteTest(_Named, dt.TestDistBackend, _BASE):
+        """What torch's test_distributed_spawn.py builds."""
+
+        def setUp(self):
+            super().setUp()
+            self._spawn_processes()
+            torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
+
+
 def _mentions_ddp(name: str) -> bool:
-    fn = getattr(dt.DistributedTest._DistTestBase, name)
+    if _C10D:  # every test of DistributedDataParallelTest
+        return True
+    fn = getattr(_BASE, name)
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     text = name + inspect.getsource(fn)
@@ -151,21 +161,8 @@ def _mentions_ddp(name: str) -> bool:
 
 def _selected(pattern: str) -> list[str]:
     """The DDP tests: those whose name or body names DistributedDataParallel or ddp."""
-    names = [n for n in dir(dt.DistributedTest._DistTestBase) if n.startswith("test_") and pattern in n]
+    names = [n for n in dir(_BASE) if n.startswith("test_") and pattern in n]
     return [n for n in names if _mentions_ddp(n)]
-
-
-def _gpu_skip(name: str) -> str | None:
-    """torch's reason when the test is wrapped by skip_if_lt_x_gpu(x) (no GPU here), else None."""
-    fn = getattr(dt.DistributedTest._DistTestBase, name)
-    while fn is not None:
-        code = getattr(fn, "__code__", None)
-        if code is not None and code.co_qualname.startswith("skip_if_lt_x_gpu.<locals>"):
-            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
-            if not cells.get("allow_cpu", False) and not torch.cuda.is_available():
-                return common_distributed.TEST_SKIPS[f"multi-gpu-{cells['x']}"].message
-        fn = getattr(fn, "__wrapped__", None)
-    return None
 
 
 _EXC = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Warning|Exit|Interrupt)\b.*$")
@@ -195,12 +192,12 @@ def _constructions(out: str, name: str) -> dict[str, int]:
 
 
 def _run_one(out: str, name: str, gpu_gated: bool) -> dict:
-    reason = _gpu_skip(name)
+    reason = gpu_skip(_BASE, name)
     if reason is not None and not gpu_gated:
         return {"test": name, "status": "skipped", "why": reason, "seconds": 0.0, "ddp": {}}
     result = unittest.TestResult()
     start = time.time()
-    TestDistBackendWithSpawn(name).run(result)
+    SuiteTest(name).run(result)
     row: dict = {"test": name, "seconds": round(time.time() - start, 1)}
     if result.skipped:
         row["status"], row["why"] = "skipped", result.skipped[0][1]
@@ -249,6 +246,11 @@ def main() -> None:
     parser.add_argument("--gpu-gated-only", action="store_true",
                         help="run only the skip_if_lt_x_gpu tests, with that gate taken off (on CPU)")
     parser.add_argument("--compare", nargs=2, metavar=("DDPKIT_OUT", "TORCH_OUT"))
+    parser.add_argument("--suite", choices=["distributed_test", "c10d_gloo"], default="distributed_test",
+                        help="torch's distributed_test.py (in the wheel), or test_c10d_gloo.py (see --torch-tests)")
+    parser.add_argument("--torch-tests", metavar="DIR",
+                        help="with --suite c10d_gloo: the folder holding torch's test_c10d_gloo.py and "
+                             "test_c10d_common.py (torch's test/distributed)")
     args = parser.parse_args()
     if args.compare:
         _compare(*args.compare)
@@ -262,10 +264,10 @@ def main() -> None:
     _OUT = args.out
     _swap_in_parent(args.ddp)
     done = _load(args.out) if os.path.exists(os.path.join(args.out, "results.jsonl")) else {}
-    names = [n for n in _selected(args.k) if n not in done and (not args.gpu_gated_only or _gpu_skip(n))]
+    names = [n for n in _selected(args.k) if n not in done and (not args.gpu_gated_only or gpu_skip(_BASE, n))]
     if args.gpu_gated_only:  # run them anyway: the skip_if_lt_x_gpu wrapper is taken off in the ranks
         os.environ["DDPKIT_SUITE_UNGATE"] = "1"
-        _ungate()
+        ungate(_BASE)
     print(f"{len(names)} tests to run ({len(done)} already in {args.out}), DDP = {args.ddp}", flush=True)
     for i, name in enumerate(names, 1):
         row = _run_one(args.out, name, args.gpu_gated_only)
@@ -273,12 +275,6 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         print(f"[{i}/{len(names)}] {row['status']:8} {row['seconds']:6.1f}s {name} {row.get('why', '')[:120]}",
               flush=True)
-
-
-def _swap_in_parent(kind: str) -> None:
-    if kind == "ddpkit":
-        torch.nn.parallel.DistributedDataParallel = ddpkit.DistributedDataParallel
-        dt.DistributedDataParallel = ddpkit.DistributedDataParallel
 
 
 if __name__ == "__main__":
