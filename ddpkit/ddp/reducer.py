@@ -178,7 +178,7 @@ class Reducer:
         if left is not None:
             if not left[index]:
                 raise self.logger.logged(errors.static_graph_changed_error(self.rank, self.names[index],
-                                                                     self.usage.hook_counts[index]))
+                                                                           self.usage.hook_counts[index]))
             left[index] -= 1
             if left[index]:  # more reentrant backwards will add to this gradient
                 return
