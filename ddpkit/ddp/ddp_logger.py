@@ -136,7 +136,7 @@ class DDPLogger:
         ints["num_parameter_tensors"] = len(params)
         ints["total_parameter_size_bytes"] = sum(p.numel() * p.element_size() for p in params)
         strs["dtypes"] = ", ".join(sorted({_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params}))
-        strs["bucket_sizes"] = self._bucket_sizes()
+        self.note_buckets(ddp.reducer.buckets if ddp.reducer is not None else [])
         backend = dist.get_backend(ddp.process_group) if ddp.process_group is not None else ""
         for name in _ENVIRONMENT[None] + _ENVIRONMENT.get(backend, ()):
             strs[name.lower()] = os.environ.get(name, "N/A")
@@ -164,7 +164,7 @@ class DDPLogger:
         ints["unused_parameter_size"], ints["num_buckets_reduced"] = self._backward
         rebuilt = int(ddp is not None and ddp._has_rebuilt_buckets)
         if ints.get("has_rebuilt_buckets", 0) != rebuilt:  # the buckets settle once: say so once
-            strs["rebuilt_bucket_sizes"] = self._bucket_sizes()
+            strs["rebuilt_bucket_sizes"] = _bucket_sizes(reducer.buckets)
             strs["rebuilt_per_bucket_param_indices"] = ", ".join(
                 " ".join(map(str, _given_indices(b))) for b in reducer.buckets)
         ints["has_rebuilt_buckets"] = rebuilt
@@ -241,10 +241,13 @@ class DDPLogger:
         self._backward = (unused, len(buckets) - skipped)
         self.timing = False
 
-    def _bucket_sizes(self) -> str:
-        ddp = self._ddp()
-        buckets = ddp.reducer.buckets if ddp.reducer is not None else []
-        return ", ".join(str(sum(p.numel() * p.element_size() for p in b.params)) for b in buckets)
+    def note_buckets(self, buckets: Sequence[Any]) -> None:
+        """The buckets a reducer was built with: torch's ``bucket_sizes``."""
+        self.data.strs_map["bucket_sizes"] = _bucket_sizes(buckets)
+
+
+def _bucket_sizes(buckets: Sequence[Any]) -> str:
+    return ", ".join(str(sum(p.numel() * p.element_size() for p in b.params)) for b in buckets)
 
 
 def _given_indices(bucket: Any) -> list[int]:

@@ -184,6 +184,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
                           sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
                           **self._reducer_options)
         reducer.logger = self.logger
+        self.logger.note_buckets(reducer.buckets)  # a reducer made late (a comm hook in a world of one)
         return reducer
 
     def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -236,3 +236,20 @@ def test_can_set_static_graph_turns_0_when_the_unused_parameters_change_as_in_to
     for out in run_ranks(_changing_graph_worker, 2):
         assert out["ddpkit"] == out["torch"]
         assert [entry[0] for entry in out["ddpkit"]] == [None, None, 0, 0]
+
+
+def _group_of_one_worker() -> dict:
+    ddp = ddpkit.DistributedDataParallel(nn.Linear(3, 2))
+    before = ddp._get_ddp_logging_data()["bucket_sizes"]
+    ddp.register_comm_hook(None, allreduce_hook)  # torch runs a hook in a group of one: a reducer now
+    for _ in range(3):
+        ddp(torch.randn(2, 3)).sum().backward()
+    return {"before": before, "after": ddp._get_ddp_logging_data()}
+
+
+def test_a_group_of_one_with_a_comm_hook_logs_the_buckets_it_gets():
+    out = run_ranks(_group_of_one_worker, 1)[0]
+    assert out["before"] == ""  # no reducer, no buckets: nothing to average
+    log = out["after"]
+    assert (log["bucket_sizes"], log["comm_hook"], log["iteration"]) == ("32", "allreduce_hook", 2)
+    assert log["backward_comm_time"] >= 1 and log["prev_iteration_grad_ready_order_indices"] == "1, 0"
