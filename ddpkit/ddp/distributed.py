@@ -27,7 +27,6 @@ from ddpkit.ddp.arguments import (
     refuse_uninitialized,
     sparse_gradient_names,
 )
-from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
@@ -38,14 +37,14 @@ from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
 from ddpkit.ddp.reducer import Reducer
-from ddpkit.ddp.state_sync import broadcast_coalesced, overlapping_state_error, verify_same_tensors
+from ddpkit.ddp.state_sync import StateSyncSupport, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
+class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, TorchCompat):
     """Data parallelism over processes: same model on every rank, gradients averaged in backward.
 
     Construction checks that every rank holds the same parameters, copies rank 0's parameters (and
@@ -187,21 +186,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
         self.logger.note_buckets(reducer.buckets)  # a reducer made late (a comm hook in a world of one)
         return reducer
 
-    def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        ignore = self.parameters_to_ignore
-        yield from ((n, p) for n, p in self.module.named_parameters() if n not in ignore)
-        if buffers:
-            yield from ((n, b) for n, b in self.module.named_buffers() if n not in ignore)
-
-    def _synced_buffers(self) -> list[torch.Tensor]:
-        if not self.parameters_to_ignore:
-            return list(self.module.buffers())
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-
-    def _broadcast_states(self, src: int, buffers: bool) -> None:
-        """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
-        broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
-
     # ---- forward -------------------------------------------------------------------------------
     @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -263,24 +247,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, TorchCompat):
             self.require_forward_param_sync = False
             self.reducer.prepare_for_local_backward()
         return output
-
-    # ---- buffers -------------------------------------------------------------------------------
-    def _will_sync_buffers(self) -> bool:
-        """torch's rule: before a forward that follows a synced one, when there are buffers."""
-        return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
-
-    def _sync_buffers(self, active: bool = True) -> None:
-        """Broadcast buffers from rank 0, or under join from the highest rank still active.
-
-        Read afresh each time, as torch does: a module may replace a buffer out of place (an
-        exponential moving average written ``self.avg = ...``); that walk of the module tree is the
-        price of it for models with buffers. The copy keeps the buffers' autograd versions, as
-        torch's does: a graph of an earlier forward of this iteration may have saved them.
-        """
-        src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
-        buffers = self._synced_buffers()
-        with preserving_autograd_versions(buffers):
-            broadcast_coalesced(buffers, src, self.process_group)
 
     # ---- options -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -3,18 +3,20 @@
 check that every rank holds the same tensors."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ddpkit.ddp.arguments import first_difference
+from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.errors import explain
 from ddpkit.runtime.comm import all_gather_object
 
-__all__ = ["broadcast_coalesced", "default_group", "overlapping_state_error", "verify_same_tensors"]
+__all__ = ["StateSyncSupport", "broadcast_coalesced", "default_group", "overlapping_state_error",
+           "verify_same_tensors"]
 
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024  # torch's broadcast_bucket_size
 
@@ -103,3 +105,42 @@ def overlapping_state_error(states: Iterable[tuple[str, torch.Tensor]], rank: in
                 f"register a tensor of its own: {name!r} = tensor.clone(), or leave it out of the "
                 "broadcast with broadcast_buffers=False."))
     return None
+
+
+class StateSyncSupport:
+    """The state half of DistributedDataParallel: which parameters and buffers it keeps equal across
+    ranks (all but ``parameters_to_ignore``), copied from one rank at construction and after join,
+    the buffers before a forward as torch decides. (DistributedDataParallel and JoinSupport supply
+    what these read.)"""
+
+    def _states(self, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        ignore = self.parameters_to_ignore
+        yield from ((n, p) for n, p in self.module.named_parameters() if n not in ignore)
+        if buffers:
+            yield from ((n, b) for n, b in self.module.named_buffers() if n not in ignore)
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        if not self.parameters_to_ignore:
+            return list(self.module.buffers())
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _broadcast_states(self, src: int, buffers: bool) -> None:
+        """Copy rank ``src``'s parameters (and buffers) to every rank, coalesced."""
+        broadcast_coalesced([t for _, t in self._states(buffers)], src, self.process_group)
+
+    def _will_sync_buffers(self) -> bool:
+        """torch's rule: before a forward that follows a synced one, when there are buffers."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and self._has_buffers
+
+    def _sync_buffers(self, active: bool = True) -> None:
+        """Broadcast buffers from rank 0, or under join from the highest rank still active.
+
+        Read afresh each time, as torch does: a module may replace a buffer out of place (an
+        exponential moving average written ``self.avg = ...``); that walk of the module tree is the
+        price of it for models with buffers. The copy keeps the buffers' autograd versions, as
+        torch's does: a graph of an earlier forward of this iteration may have saved them.
+        """
+        src = self._find_common_rank(self.rank, active) if self._join_config.enable else 0
+        buffers = self._synced_buffers()
+        with preserving_autograd_versions(buffers):
+            broadcast_coalesced(buffers, src, self.process_group)
