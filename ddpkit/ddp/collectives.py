@@ -187,9 +187,9 @@ class Collectives:
         for bucket, work in zip(into, works):
             try:
                 result = work.wait()
+            except _COLLECTIVE_FAILURE:  # a peer gone, a timeout: not the hook's doing
+                raise
             except Exception as e:
-                if isinstance(e, _COLLECTIVE_FAILURE):  # a peer gone, a timeout: not the hook's doing
-                    raise
                 raise CommHookError(explain(  # a RuntimeError, as torch's DDP raises it
                     f"comm hook {name}'s future for bucket {bucket.index()} failed: {type(e).__name__}: {e}",
                     "the hook's own error is the cause, shown above.", who="DistributedDataParallel",

@@ -173,10 +173,9 @@ class DDPLogger:
         times, self._times = self._times, {}
         for key, start, end in _DURATIONS:  # torch's map has all eight keys from the first sample on
             ints[key] = 0
-            ints.setdefault("avg_" + key, 0)
+            average = ints.setdefault("avg_" + key, 0)
             if start in times and end in times and times[end] >= times[start]:
                 ints[key] = took = times[end] - times[start]
-                average = ints.get("avg_" + key, 0)
                 ints["avg_" + key] = (took + average * (self._samples - 1)) // self._samples
         for key, event in _STAMPS:
             ints[key] = times.get(event, 0)

@@ -181,8 +181,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
                           static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
                           skip_unused=self.skip_all_reduce_unused_params,
                           sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
-                          **self._reducer_options)
-        reducer.logger = self.logger
+                          logger=self.logger, **self._reducer_options)
         self.logger.note_buckets(reducer.buckets)  # a reducer made late (a comm hook in a world of one)
         return reducer
 

@@ -46,14 +46,15 @@ class Reducer:
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
     options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
-    ``in_place_bytes``: see Note [Big gradients in place] (0: never)."""
+    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``logger``: the DDP's (torch's
+    logging data), else one of its own that notes errors only."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
                  cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
-                 in_place_bytes: int = IN_PLACE_BYTES):
+                 in_place_bytes: int = IN_PLACE_BYTES, logger: DDPLogger | None = None):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -74,7 +75,7 @@ class Reducer:
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
-        self.logger = DDPLogger()  # the DDP gives it its own: sampled timings, the last error
+        self.logger = logger if logger is not None else DDPLogger()  # sampled timings, the last error
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
         # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
         # see Note [Accumulator hooks] in docs/design.md

@@ -116,7 +116,7 @@ class TorchCompat:
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's logging data, under its keys: the construction facts, the environment, what the
         last sampled iteration measured, and the last error (ddpkit.ddp.ddp_logger)."""
-        data = self.logger._get_ddp_logging_data()
+        data = self.logger.data  # read, not kept: the dict is the copy
         return {**data.strs_map, **data.ints_map}
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
