@@ -13,7 +13,7 @@ from ddpkit.ddp.arguments import first_difference
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.errors import explain
-from ddpkit.runtime.comm import all_gather_object
+from ddpkit.runtime.comm import broadcast_object, comm_device
 
 __all__ = ["StateSyncSupport", "broadcast_coalesced", "default_group", "overlapping_state_error",
            "verify_same_tensors"]
@@ -61,27 +61,33 @@ def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error:
                         group, rank: int, world_size: int) -> None:
     """Raise on every rank, naming the first difference, unless all ranks hold the same tensors.
 
-    A rank whose own arguments were refused (``local_error``) says so through the same
-    collective, so that the others raise too instead of waiting for it; it returns, and its
+    Rank 0's list is broadcast and every rank compares its own with it; one all-reduce then tells
+    every rank the first rank that differs, whose words follow on that path only. Gathering every
+    rank's list instead cost each rank ``world_size`` lists, and a first use of Gloo's all_gather
+    (1.2 MB of resident memory at construction on a 400-parameter model, where torch's check
+    broadcasts too). A rank whose own arguments were refused (``local_error``) says so through the
+    same all-reduce, so that the others raise too instead of waiting for it; it returns, and its
     caller raises its own error.
     """
-    mine = [] if local_error is not None else [
+    mine = None if local_error is not None else [
         (n, tuple(t.shape), str(t.dtype).replace("torch.", ""),
          t.requires_grad if isinstance(t, nn.Parameter) else None,  # None: a buffer
          _layout(t) if isinstance(t, nn.Parameter) else None)
         for n, t in states]
-    shared = (None if local_error is None else f"{type(local_error).__name__}: {local_error}", mine)
-    gathered = all_gather_object(shared, group=group)
-    failed = [(r, error) for r, (error, _) in enumerate(gathered) if error is not None]
-    if failed and local_error is None:
-        raise refused_elsewhere_error(rank, *failed[0])
-    if failed:
-        return
-    everyone = [tensors for _, tensors in gathered]
-    for other in range(1, world_size):
-        problem = first_difference(everyone[0], everyone[other], other)
-        if problem:
-            raise ranks_disagree_error(rank, other, problem)
+    reference = broadcast_object(mine, src=dist.get_global_rank(group, 0), group=group)
+    difference = None if mine is None or reference is None else first_difference(reference, mine, rank)
+    first = torch.tensor([world_size if local_error is None else rank, world_size if difference is None else rank],
+                         dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    refused, differing = first.tolist()
+    if refused < world_size:  # the first rank that refused its arguments says why
+        said = f"{type(local_error).__name__}: {local_error}" if rank == refused else None
+        said = broadcast_object(said, src=dist.get_global_rank(group, refused), group=group)
+        if local_error is None:
+            raise refused_elsewhere_error(rank, refused, said)
+    elif differing < world_size:
+        said = broadcast_object(difference, src=dist.get_global_rank(group, differing), group=group)
+        raise ranks_disagree_error(rank, differing, said)
 
 
 def _layout(t: torch.Tensor) -> tuple[int | None, ...] | None:

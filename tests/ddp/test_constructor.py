@@ -350,3 +350,52 @@ def test_delayed_parameters_are_averaged_after_the_hook_parameters_gradient_like
             assert torch.allclose(mine, theirs, atol=1e-6)
     for a, b in zip(per_rank[0]["ddpkit"], per_rank[1]["ddpkit"]):  # averaged: the ranks agree
         assert torch.equal(a, b)
+
+
+# ---- the construction-time check across ranks ----------------------------------------------------
+def _disagree_on_three_worker() -> dict[str, BaseException | None]:
+    """Rank 0's list is broadcast and compared: the first rank that differs or refuses is named on
+    every rank, whichever rank that is, in a subgroup too."""
+    from ddpkit.errors import RanksDisagreeError
+
+    rank = dist.get_rank()
+
+    def caught(build) -> BaseException | None:
+        try:
+            build()
+        except (RanksDisagreeError, TypeError) as e:
+            return e
+        return None
+
+    sub = dist.new_group([1, 2])
+    out = {
+        "rank2_differs": caught(lambda: ddpkit.DDP(nn.Linear(4, 4 + (rank == 2)))),
+        "two_refuse": caught(lambda: ddpkit.DDP(nn.Linear(4, 4) if rank == 0 else f"model{rank}")),
+        "same": caught(lambda: ddpkit.DDP(nn.Linear(4, 4))),
+    }
+    if rank in (1, 2):  # group rank 1 of [1, 2] is global rank 2
+        out["subgroup"] = caught(lambda: ddpkit.DDP(nn.Linear(3 + (rank == 2), 4), process_group=sub))
+    return {k: None if e is None else (type(e).__name__, str(e), getattr(e, "differing_rank", None))
+            for k, e in out.items()}
+
+
+@pytest.mark.timeout(90)
+def test_the_first_rank_that_differs_or_refuses_is_named_on_every_rank():
+    results = run_ranks(_disagree_on_three_worker, 3, timeout=75)
+    for rank, out in enumerate(results):
+        kind, text, differing = out["rank2_differs"]
+        assert (kind, differing) == ("RanksDisagreeError", 2), out
+        assert ("tensor #0 differs: rank 0 has 'weight' with shape [4, 4] (float32), rank 2 has 'weight' "
+                f"with shape [5, 4] (float32) (this is rank {rank})") in text
+        kind, text, differing = out["two_refuse"]
+        if rank == 0:  # ranks 1 and 2 refused their own arguments: the first of them is named
+            assert (kind, differing) == ("RanksDisagreeError", 1), out
+            assert text.startswith("DistributedDataParallel could not be built on rank 1: NotAModuleError: "
+                                   "DistributedDataParallel wraps a torch.nn.Module, got str 'model1'")
+        else:
+            assert kind == "NotAModuleError" and f"'model{rank}'" in text, out
+        assert out["same"] is None
+    for rank in (1, 2):
+        kind, text, differing = results[rank]["subgroup"]
+        assert (kind, differing) == ("RanksDisagreeError", 1), results[rank]
+        assert "rank 0 has 'weight' with shape [4, 3] (float32), rank 1 has 'weight' with shape [4, 4]" in text
