@@ -353,9 +353,9 @@ def test_delayed_parameters_are_averaged_after_the_hook_parameters_gradient_like
 
 
 # ---- the construction-time check across ranks ----------------------------------------------------
-def _disagree_on_three_worker() -> dict[str, BaseException | None]:
+def _disagree_on_three_worker() -> dict[str, tuple | None]:
     """Rank 0's list is broadcast and compared: the first rank that differs or refuses is named on
-    every rank, whichever rank that is, in a subgroup too."""
+    every rank, whichever rank that is, in a subgroup too. Per case: (type, text, differing_rank)."""
     from ddpkit.errors import RanksDisagreeError
 
     rank = dist.get_rank()
