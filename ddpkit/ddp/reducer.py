@@ -61,7 +61,6 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.as_view = gradient_as_bucket_view
-        self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.collectives = Collectives(process_group, self.params[0].device, split_bytes)
         self.skip_unused = skip_unused and find_unused_parameters  # on torch's buckets, as it promises
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
@@ -78,10 +77,18 @@ class Reducer:
         self.logger = logger if logger is not None else DDPLogger()  # sampled timings, the last error
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
         # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
-        # see Note [Accumulator hooks] in docs/design.md
+        # see Note [Accumulator hooks] in docs/design.md. Never removed, so their handles are not
+        # kept, and each hook partial-applies the function, not a bound method: with hundreds of
+        # parameters these objects are a part of the RSS (Note [Gradient memory])
         self._accumulators = [gradient_accumulator(p) for p in self.params]
-        self._handles = [acc.register_hook(functools.partial(self._on_grad_ready, i))
-                         for i, acc in enumerate(self._accumulators)]
+        on_grad_ready = type(self)._on_grad_ready
+        for i, acc in enumerate(self._accumulators):
+            acc.register_hook(functools.partial(on_grad_ready, self, i))
+
+    @functools.cached_property
+    def index_of(self) -> dict[int, int]:
+        """Parameter index by ``id``, for find_unused_parameters' search: built at its first use."""
+        return {id(p): i for i, p in enumerate(self.params)}
 
     @property
     def buckets(self) -> list[Bucket]:
