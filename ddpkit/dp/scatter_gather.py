@@ -2,9 +2,8 @@
 
 Tensors are chunked exactly like ``torch.chunk`` (so a batch of 10 over 8 devices gives five chunks of 2
 and only five replicas run, as in torch); tuples, lists, dicts, namedtuples and dataclasses are recursed
-into as ``ddpkit.dp.nested`` says; any other object is passed by reference to every device. Unlike
-torch, ``scatter`` always returns a tuple with one item per device (torch returns a tuple for a lone
-tensor and a list otherwise).
+into as ``ddpkit.dp.nested`` says; any other object is passed by reference to every device. As
+torch's, ``scatter`` returns a tuple for a lone tensor and a list otherwise, one item per device.
 Both directions are differentiable: gradients flow from the chunks back to the input, and from the
 gathered output back to every replica's output.
 """
@@ -74,17 +73,20 @@ def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
 
 
 @torch_keywords(target_gpus="target_devices")
-def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...]:
+def scatter(inputs: Any, target_devices: Sequence[DeviceLike], dim: int = 0) -> tuple[Any, ...] | list[Any]:
     """Split ``inputs`` into one piece per device, chunking tensors along ``dim`` like torch.chunk.
 
     Returns:
-        A tuple with one item per used device, each of the same type as ``inputs``.
+        One item per used device, each of the same type as ``inputs``: in a tuple for a lone tensor
+        and in a list otherwise, as torch's ``scatter`` returns them (code written for torch's may
+        ``extend`` the list).
 
     Example:
         >>> scatter(torch.zeros(30, 5), ["cpu"] * 8)[-1].shape
         torch.Size([2, 5])
     """
-    return tuple(_split_over(inputs, _target_devices(target_devices), dim))
+    pieces = _split_over(inputs, _target_devices(target_devices), dim)
+    return tuple(pieces) if isinstance(inputs, torch.Tensor) else pieces
 
 
 @torch_keywords(target_gpus="target_devices")

@@ -48,12 +48,17 @@ def test_scatter_along_another_dim():
     torch.testing.assert_close(torch.cat(chunks, 1), x)
 
 
-def test_scatter_always_returns_a_tuple_of_per_device_items_of_the_input_type():
+def test_scatter_returns_torchs_container_of_per_device_items_of_the_input_type():
+    """As torch's scatter: a tuple for a lone tensor, a list for anything else (torch's own
+    scatter_kwargs extends that list)."""
     x = torch.randn(4, 2)
-    assert isinstance(scatter(x, ["cpu"] * 2), tuple)
-    assert all(isinstance(item, list) for item in scatter([x, x], ["cpu"] * 2))
-    assert all(type(item) is tuple for item in scatter((x, x), ["cpu"] * 2))
-    assert all(isinstance(item, dict) for item in scatter({"a": x}, ["cpu"] * 2))
+    assert type(scatter(x, ["cpu"] * 2)) is tuple
+    for inputs, item_type in (([x, x], list), ((x, x), tuple), ({"a": x}, dict), (7, int), ((None, 1), tuple)):
+        pieces = scatter(inputs, ["cpu"] * 2)
+        assert type(pieces) is list and len(pieces) == 2, inputs
+        assert all(type(item) is item_type for item in pieces), inputs
+    assert scatter((None, 1), ["cpu"] * 2) == [(None, 1), (None, 1)]
+    assert scatter([1, 2], ["cpu"] * 2) == [[1, 2], [1, 2]]
 
 
 def test_scatter_recurses_into_nested_namedtuples_and_dataclasses():
