@@ -24,6 +24,7 @@ from ddpkit.errors import (
     CheckpointSaveError,
     CollectiveMismatchError,
     CommHookError,
+    DenseGradientError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
@@ -68,7 +69,8 @@ __all__ = [
     "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "SyncBatchNorm", "__version__",
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
-    "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "LauncherVariableError",
+    "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
+    "LauncherVariableError",
     "NotAModuleError", "NotInitializedError",
     "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",

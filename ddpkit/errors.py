@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
-           "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
+           "DenseGradientError", "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
            "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError"]
 
 
@@ -73,6 +73,16 @@ class StaticGraphChangedError(_Facts, RuntimeError):
     def __init__(self, message: str, *, rank: int, parameter: str, first_count: int) -> None:
         super().__init__(message)
         self.rank, self.parameter, self.first_count = rank, parameter, first_count
+
+
+class DenseGradientError(_Facts, TypeError, RuntimeError):
+    """The gradient of ``parameter``, a sparse embedding's weight, came out dense (a hook densified
+    it, or the weight is shared with a dense layer). A RuntimeError, as torch's "Expected variable to
+    have sparse gradient", and a TypeError, as ddpkit raised before."""
+
+    def __init__(self, message: str, *, rank: int, parameter: str) -> None:
+        super().__init__(message)
+        self.rank, self.parameter = rank, parameter
 
 
 class CommHookError(_Facts, TypeError, RuntimeError):

@@ -20,6 +20,7 @@ from ddpkit.errors import (
     CheckpointSaveError,
     CollectiveMismatchError,
     CommHookError,
+    DenseGradientError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
@@ -36,7 +37,8 @@ from ddpkit.errors import (
 BASES = {
     UnusedParametersError: (RuntimeError,), SecondGradientError: (RuntimeError,),
     StaticGraphChangedError: (RuntimeError,), RanksDisagreeError: (RuntimeError,),
-    CommHookError: (TypeError, RuntimeError), NotInitializedError: (RuntimeError, ValueError),
+    CommHookError: (TypeError, RuntimeError), DenseGradientError: (TypeError, RuntimeError),
+    NotInitializedError: (RuntimeError, ValueError),
     NotAModuleError: (TypeError, AttributeError),
     LauncherVariableError: (ValueError,), RendezvousError: (RuntimeError,),
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),

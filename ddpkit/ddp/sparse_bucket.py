@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.bucket import GradBucketBasics
-from ddpkit.errors import CommHookError, explain
+from ddpkit.errors import CommHookError, DenseGradientError, explain
 
 __all__ = ["SparseBucket", "empty_sparse_like"]
 
@@ -63,11 +63,14 @@ class SparseBucket(GradBucketBasics):
         if grad is None:
             grad = empty_sparse_like(param)
         elif not grad.is_sparse:
-            raise TypeError(explain(
-                f"{self.name!r} belongs to a sparse embedding, but its .grad is a dense tensor "
-                f"({grad.layout}, shape {list(grad.shape)}).",
-                "leave its gradient sparse (a post-accumulate-grad hook must not densify it), or "
-                "build the embedding with sparse=False.", who="DistributedDataParallel", rank=dist.get_rank()))
+            rank = dist.get_rank()
+            raise DenseGradientError(explain(
+                f"Expected variable to have sparse gradient: {self.name!r} belongs to a sparse embedding, "
+                f"but its .grad is a dense tensor ({grad.layout}, shape {list(grad.shape)}).",
+                "leave its gradient sparse (a post-accumulate-grad hook must not densify it; a weight "
+                "shared with a dense layer, such as tied input and output embeddings, gets a dense "
+                "gradient), or build the embedding with sparse=False.", who="DistributedDataParallel",
+                rank=rank), rank=rank, parameter=self.name)
         elif scale is not None:
             with torch.no_grad():
                 grad.mul_(scale)

@@ -6,6 +6,8 @@ sees against torch's, and a rank without the gradient, which torch's DDP cannot 
 """
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,24 +136,46 @@ def _densify(p: nn.Parameter) -> None:
     p.grad = p.grad.to_dense()
 
 
-def _dense_grad_worker() -> str:
+class _TiedModel(nn.Module):
+    """A sparse embedding whose weight is also the output layer's: its gradient comes out dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.out = nn.Linear(4, 20, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens))
+
+
+def _dense_grad_worker(tied: bool) -> tuple[str, list[str], str, str]:
     import ddpkit
+    from ddpkit.errors import DenseGradientError
 
     torch.manual_seed(0)
-    ddp = ddpkit.DDP(_Model())
-    ddp.module.emb.weight.register_post_accumulate_grad_hook(_densify)
+    ddp = ddpkit.DDP(_TiedModel() if tied else _Model())
+    if not tied:
+        ddp.module.emb.weight.register_post_accumulate_grad_hook(_densify)
     try:
         ddp(torch.randint(0, 20, (5, 3))).sum().backward()
-    except TypeError as e:
-        return str(e)
-    return "no error"
+    except DenseGradientError as e:
+        return str(e), [c.__name__ for c in (TypeError, RuntimeError) if isinstance(e, c)], e.parameter, \
+            pickle.loads(pickle.dumps(e)).parameter
+    return "no error", [], "", ""
 
 
-def test_a_sparse_embeddings_gradient_made_dense_raises_naming_it():
-    for message in run_ranks(_dense_grad_worker, 2, timeout=60):
-        assert "on rank " in message and "'emb.weight' belongs to a sparse embedding, but its .grad is a " \
-               "dense tensor (torch.strided, shape [20, 4])" in message, message
+@pytest.mark.parametrize("tied", [False, True], ids=["densified_by_a_hook", "tied_to_a_linear"])
+def test_a_sparse_embeddings_gradient_made_dense_raises_naming_it(tied):
+    """Where torch raises RuntimeError "Expected variable to have sparse gradient.": the same type
+    and words, and the parameter, its layout and shape, on every rank."""
+    results = run_ranks(_dense_grad_worker, 2, (tied,), timeout=60)
+    for rank, (message, types, parameter, unpickled) in enumerate(results):
+        assert message.startswith(f"DistributedDataParallel on rank {rank}: Expected variable to have sparse "
+                                  "gradient: 'emb.weight' belongs to a sparse embedding, but its .grad is a dense "
+                                  "tensor (torch.strided, shape [20, 4])."), message
         assert "HINT: leave its gradient sparse" in message
+        assert types == ["TypeError", "RuntimeError"] and parameter == unpickled == "emb.weight"
 
 
 def test_a_hooks_result_must_be_sparse_and_shaped_as_the_gradient():

@@ -279,6 +279,11 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
         DDP(lambda x: x)
     elif kind == "group_as_a_string":
         DDP(nn.Linear(2, 2), process_group="gloo")
+    elif kind == "sparse_made_dense":  # a sparse embedding tied to the output layer: a dense gradient
+        model = nn.Sequential(nn.Embedding(6, 2, sparse=True), nn.Linear(2, 6, bias=False))
+        model[1].weight = model[0].weight
+        ddp = DDP(model)  # kept: torch's holds itself weakly
+        ddp(torch.tensor([1, 4])).sum().backward()
     elif kind in ("hook_future_fails", "hook_callback_fails"):
         ddp = DDP(nn.Linear(2, 2))
         ddp.register_comm_hook(None, _failing_future if kind == "hook_future_fails" else _failing_callback)
@@ -324,6 +329,7 @@ _MISUSES = {
     "pickle_subgroup": ("DDP Pickling/Unpickling are only supported when using DDP with the default process "
                         "group", False),
     "meta": ("Tensor.item() cannot be called on meta tensors", False),
+    "sparse_made_dense": ("Expected variable to have sparse gradient", True),
     # torch's words here are an accident of its code ("'function' object has no attribute
     # 'named_parameters'", a pybind signature, "Unable to cast compression failed to Tensor"): its type
     # is kept, and ddpkit says what is wrong
@@ -357,6 +363,8 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
             assert ddpkit_mro[0] == "CommHookError" and "_failing_" in facts["hook"], (ddpkit_mro, facts)
         if kind == "join_exhausted":
             assert message == torch_message
+        if kind == "sparse_made_dense":
+            assert facts["parameter"] == "0.weight" and "'0.weight'" in message
         if kind == "models_differ":
             assert facts["differing_rank"] == 1 and "'1.weight'" in message
 
