@@ -30,7 +30,7 @@ from ddpkit.ddp.arguments import (
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
-from ddpkit.ddp.errors import not_a_module_error
+from ddpkit.ddp.errors import not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
 from ddpkit.ddp.pickling import PicklingSupport
@@ -236,6 +236,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
             self.reducer.prepare_for_backward(unused)
             if search:  # torch logs whether the unused ones stay the same (can_set_static_graph)
                 self.logger.note_unused(unused)
+                if not unused:
+                    warn_if_all_used(self.reducer.rank)
             # the hooks say where backward ends: look into a plain output object too (torch's
             # search above does not, and find_unused_parameters keeps its answer)
             hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]

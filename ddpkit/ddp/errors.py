@@ -51,6 +51,24 @@ def late_gradient_warning(rank: int, name: str) -> str:
         who=_DDP, rank=rank)
 
 
+_all_used_warned = [False]
+
+
+def warn_if_all_used(rank: int) -> None:
+    """Once, as torch's reducer does: find_unused_parameters searched the graph and every parameter
+    was used, so the search is a cost with nothing found."""
+    if not _all_used_warned[0]:
+        _all_used_warned[0] = True
+        warn_at_user_code(explain(
+            "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
+            "parameters in the forward pass. This flag results in an extra traversal of the autograd graph "
+            "every iteration, which can adversely affect performance.", "if your model indeed never has "
+            "any unused parameters in the forward pass, turn this flag off; if the same ones go unused "
+            "every iteration, static_graph=True finds them once. This warning may be a false positive if "
+            "your model has flow control causing later iterations to have unused parameters.",
+            who=_DDP, rank=rank))
+
+
 _create_graph_warned = [False]
 
 

@@ -7,6 +7,7 @@ compares ddpkit's answer with torch's rather than with a value written down here
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -367,6 +368,36 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
             assert facts["parameter"] == "0.weight" and "'0.weight'" in message
         if kind == "models_differ":
             assert facts["differing_rank"] == 1 and "'1.weight'" in message
+
+
+_ALL_USED = "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
+
+
+def _all_used_warning_worker() -> dict:
+    x = torch.ones(1, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        half = ddpkit.DistributedDataParallel(_HalfUsed(), find_unused_parameters=True)
+        for _ in range(2):
+            half(x).sum().backward()
+        unused_warnings = len(caught)
+        for _ in range(2):  # two models, every parameter used: said once in the process, as torch's
+            full = ddpkit.DistributedDataParallel(nn.Linear(2, 2), find_unused_parameters=True)
+            for _ in range(2):
+                full(x).sum().backward()
+    said = [(str(w.message), w.category.__name__, os.path.basename(w.filename)) for w in caught
+            if _ALL_USED in str(w.message)]
+    return {"unused_warnings": unused_warnings, "said": said}
+
+
+def test_find_unused_parameters_with_none_unused_warns_once_as_torch():
+    """torch's reducer says it once per process (TORCH_WARN_ONCE, on stderr through its C++ log);
+    ddpkit says it with torch's words as a UserWarning at the user's line, which filters can silence."""
+    for rank, out in enumerate(run_ranks(_all_used_warning_worker, world_size=2)):
+        assert out["unused_warnings"] == 0, out  # something unused: nothing to say
+        [(message, category, filename)] = out["said"]
+        assert category == "UserWarning" and f"on rank {rank}" in message and "HINT: " in message, message
+        assert filename == os.path.basename(__file__), filename  # the user's line, not ddpkit's
 
 
 def _allreduce_spelled_as_strings(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
