@@ -67,6 +67,12 @@ TORCHRUN_ERRORS = [
                                           r"processes, LOCAL_WORLD_SIZE=2 per node: .*\[0, 4\)"),
         ({**TORCHRUN, "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "2"},
          r"GROUP_RANK=2 is out of range for GROUP_WORLD_SIZE=2"),
+        # more nodes than processes, with or without GROUP_RANK
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_WORLD_SIZE": "3", "MASTER_ADDR": "h",
+          "MASTER_PORT": "1"}, r"^GROUP_WORLD_SIZE=3 is larger than WORLD_SIZE=2: every node runs at least one "
+                               r"process\. HINT: .*--nnodes"),
+        ({**TORCHRUN, "GROUP_WORLD_SIZE": "9"}, r"GROUP_WORLD_SIZE=9 is larger than WORLD_SIZE=8"),
+        ({**TORCHRUN, "GROUP_WORLD_SIZE": "0"}, r"GROUP_WORLD_SIZE=0 must be >= 1"),
         # a node's ranks are consecutive: two processes of one node would share LOCAL_RANK (a GPU)
         ({**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
          r"RANK=0 and LOCAL_RANK=1 disagree: .* would start at rank -1"),

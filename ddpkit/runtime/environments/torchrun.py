@@ -44,12 +44,17 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                      "set LOCAL_WORLD_SIZE to the processes on this node (torchrun's --nproc-per-node), "
                      "at most WORLD_SIZE.")
     _check_consecutive(rank, local_rank, local_world_size, world_size, "LOCAL_WORLD_SIZE" in environ)
+    num_nodes = read_optional_int(environ, "GROUP_WORLD_SIZE", minimum=1)
+    if num_nodes is not None and num_nodes > world_size:
+        raise refuse("GROUP_WORLD_SIZE", num_nodes,
+                     f"GROUP_WORLD_SIZE={num_nodes} is larger than WORLD_SIZE={world_size}: every node runs "
+                     "at least one process.",
+                     "set GROUP_WORLD_SIZE to the number of nodes (torchrun's --nnodes), at most WORLD_SIZE.")
     node_rank = read_optional_int(environ, "GROUP_RANK")
     if node_rank is None:
         node_rank = rank // local_world_size
     else:
         # torchrun says how many nodes there are; without it, nodes of LOCAL_WORLD_SIZE processes each
-        num_nodes = read_optional_int(environ, "GROUP_WORLD_SIZE", minimum=1)
         described = None if num_nodes else (f"the nodes of WORLD_SIZE={world_size} processes, "
                                              f"LOCAL_WORLD_SIZE={local_world_size} per node")
         check_rank("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE",
