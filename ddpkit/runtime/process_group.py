@@ -44,6 +44,7 @@ _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 # What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
 _state: dict[str, DistEnv | None] = {"env": None}
 _watch: list[hangs.HangWatch | None] = [None]  # the recorder and watchdog of that group
+_chosen: dict[str, object] = {}  # that init()'s timeout, stall_timeout and check_collectives
 
 _SETTLE_SECONDS = 0.05
 """How long the exit handler lets collective threads finish their last release (see below)."""
@@ -66,6 +67,9 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
          stall_timeout: float | None = None, check_collectives: bool | None = None) -> DistEnv:
     """Join the job this process was launched into (idempotent) and return its ``DistEnv``.
 
+    A repeated call returns the first one's ``DistEnv``; an argument it passes must agree with the
+    first call's settings (else ValueError): ``shutdown()`` first to change them.
+
     Args:
         backend: "nccl", "gloo", ...; default NCCL when CUDA is usable, else Gloo (also read from
             ``DDPKIT_BACKEND``).
@@ -82,13 +86,18 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
 
     Raises:
         LauncherVariableError: contradictory launcher variables (a ValueError).
-        ValueError: an unknown backend, a bad timeout or stall_timeout (naming the variable).
+        ValueError: an unknown backend, a bad timeout or stall_timeout (naming the variable), or
+            settings other than those of this process's earlier ``init()``.
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
+    given = {"timeout": timeout, "stall_timeout": stall_timeout, "check_collectives": check_collectives}
     timeout = _as_timedelta(timeout)
     settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
+    chosen = {"timeout": timeout, "stall_timeout": settings.stall_timeout,
+              "check_collectives": settings.check_collectives}
     if _state["env"] is not None and dist.is_initialized():
         _check_same_backend(backend)
+        _check_same_settings({k: chosen[k] for k, v in given.items() if v is not None})
         return _state["env"]
     store = None
     if dist.is_initialized():
@@ -117,6 +126,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         _watch[0].end()
     _watch[0] = hangs.start(env.rank, env.world_size, store, settings)
     _state["env"] = env
+    _chosen.clear()
+    _chosen.update(chosen)
     return env
 
 
@@ -245,6 +256,20 @@ def _check_same_backend(backend: str | None) -> None:
         raise ValueError(explain(
             f"ddpkit.init(backend={backend!r}) but this process already joined with backend {current!r}.",
             "call ddpkit.shutdown() first to change the backend."))
+
+
+def _check_same_settings(given: dict[str, object]) -> None:
+    """A repeated ``init()`` keeps the first one's settings: an argument that asks for others raises."""
+    for name, value in given.items():
+        first = _chosen.get(name, value)
+        if value != first:
+            raise ValueError(explain(
+                f"ddpkit.init({name}={_shown(value)}) but this process already joined with {name}={_shown(first)}.",
+                f"call ddpkit.shutdown() first to change it, or leave {name} out to keep it."))
+
+
+def _shown(value: object) -> str:
+    return f"{value.total_seconds():g}s" if isinstance(value, timedelta) else repr(value)
 
 
 def _take_share_of_cores(env: DistEnv) -> None:

@@ -118,20 +118,30 @@ def test_ddpkit_env_prints_the_layout_or_one_clear_error(monkeypatch, capsys):
     assert "mpi-nonsense" in capsys.readouterr().err
 
 
-def test_second_init_refuses_a_different_backend_and_a_dead_group_is_rebuilt(monkeypatch):
+def test_second_init_refuses_a_different_backend_or_settings_and_a_dead_group_is_rebuilt(monkeypatch):
     from datetime import timedelta
 
     import torch.distributed as dist
 
     import ddpkit
 
-    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "DDPKIT_STALL_TIMEOUT",
+                 "DDPKIT_CHECK_COLLECTIVES"):
         monkeypatch.delenv(name, raising=False)
     try:
         env = ddpkit.init(backend="gloo", timeout=timedelta(seconds=30))
         assert ddpkit.init(backend="gloo") is env
         with pytest.raises(ValueError, match=r"backend='mpi'.*already joined with backend 'gloo'.*shutdown"):
             ddpkit.init(backend="mpi")
+        # the first call's settings hold: asking again for them is fine, for others raises
+        assert ddpkit.init(timeout=30, stall_timeout=60, check_collectives=False) is env
+        with pytest.raises(ValueError, match=r"^ddpkit.init\(stall_timeout=5.0\) but this process already joined "
+                                             r"with stall_timeout=60.0\. HINT: call ddpkit.shutdown\(\) first"):
+            ddpkit.init(stall_timeout=5)
+        with pytest.raises(ValueError, match=r"init\(timeout=600s\) .* already joined with timeout=30s"):
+            ddpkit.init(timeout=600)
+        with pytest.raises(ValueError, match=r"init\(check_collectives=True\) .* with check_collectives=False"):
+            ddpkit.init(check_collectives=True)
         dist.destroy_process_group()  # behind ddpkit's back
         assert ddpkit.init().world_size == 1 and dist.is_initialized()
     finally:
