@@ -63,9 +63,8 @@ def warn_if_all_used(rank: int) -> None:
             "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
             "parameters in the forward pass. This flag results in an extra traversal of the autograd graph "
             "every iteration, which can adversely affect performance.", "if your model indeed never has "
-            "any unused parameters in the forward pass, turn this flag off; if the same ones go unused "
-            "every iteration, static_graph=True finds them once. This warning may be a false positive if "
-            "your model has flow control causing later iterations to have unused parameters.",
+            "any unused parameters in the forward pass, turn this flag off. This warning may be a false "
+            "positive if your model has flow control causing later iterations to have unused parameters.",
             who=_DDP, rank=rank))
 
 
