@@ -6,10 +6,11 @@ torch's ``GradBucket`` methods: ``buffer()``, ``index()``, ``parameters()``, ``g
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from ddpkit.ddp.adoption import adopt_slots, storage_refs
 from ddpkit.errors import CommHookError, explain
 
 __all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
@@ -85,14 +86,18 @@ def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None
             torch.mul(grad, scale, out=slot)
 
 
-def move_in(param: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor) -> None:
+def move_in(param: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor, scale: float | None = None) -> None:
     """``gradient_as_bucket_view``: a gradient autograd allocated is copied into its slot, which
     becomes ``param.grad``, as soon as it is ready, as torch's reducer does; held until the bucket
-    launched, the fresh gradients and the buckets were both alive, one gradient set more at the peak."""
-    if grad is not slot:
-        with torch.no_grad():
-            slot.copy_(grad)
-        param.grad = slot
+    launched, the fresh gradients and the buckets were both alive, one gradient set more at the peak.
+    ``scale``: a big gradient is multiplied by it on the way, in the same pass (or in its slot)."""
+    with torch.no_grad():
+        if grad is slot:
+            if scale is not None:
+                slot.mul_(scale)
+            return
+        copy_in(grad, slot, scale)
+    param.grad = slot
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -149,8 +154,20 @@ class Bucket(GradBucketBasics):
         self._given_order = sorted(range(len(params)), key=lambda pos: layout[pos])
         self.params = [params[k] for k in layout]
         self.param_indices = [param_indices[k] for k in layout]
-        params = self.params
-        self.numel = sum(p.numel() for p in params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.extra = extra
+        self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in self.params)
+        # big gradients left in their slots after an iteration: (position, weakref to the gradient)
+        self.adopted: list[tuple[int, Any]] = []
+        self.retired: list[Any] = []  # their old memory, until the next forward (Note [Averages in their slots])
+        self.allocate()
+        self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
+        self.has_none = False
+
+    def allocate(self) -> None:
+        """The buffer, and the views into it: at construction, and again where a slot is still held
+        by a gradient the caller kept (see ``ddpkit.ddp.adoption.reclaim``)."""
+        params, extra = self.params, self.extra
         first = params[0]
         # empty, as torch's: pages are touched when the gradients first come in, not at construction
         self.flat = torch.empty(self.numel + extra, dtype=first.dtype, device=first.device)
@@ -169,10 +186,8 @@ class Bucket(GradBucketBasics):
             # torch's bucket views are: with gradient_as_bucket_view they become the gradients
             self.views.append(self.grad_data.as_strided(p.shape, _dense_strides(p), offset))
             offset += p.numel()
-        self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in params)
         self.small_region = self.grad_data[sum(p.numel() for p in params[: self.num_big]):]
-        self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
-        self.has_none = False
+        self.own_refs = storage_refs(self.flat)  # the bucket's own tensors on its memory
 
     def fill(self, scale: float | None, as_view: bool, copied: Sequence[bool]) -> None:
         """Put the parameters' gradients into the buffer, multiplied by ``scale`` (None: as they are).
@@ -217,11 +232,17 @@ class Bucket(GradBucketBasics):
             # what write_back needs: which were missing; the fresh gradients themselves can go now
             self.grads = [None if g is None else v for g, v in zip(grads, views)]
 
-    def write_back(self, as_view: bool, mask: Sequence[bool] | None) -> None:
-        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
+    def write_back(self, as_view: bool, mask: Sequence[bool] | None, adopt: bool = False) -> None:
+        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone.
+        ``adopt``: big gradients take their slots as their memory instead (Note [Averages in their
+        slots]; never where ``mask`` may leave a gradient alone)."""
         if mask is None and not self.has_none:
             if not as_view:
-                torch._foreach_copy_(self.grads, self.views)
+                start = self.num_big if adopt else 0
+                if adopt:
+                    adopt_slots(self)
+                if start < len(self.grads):
+                    torch._foreach_copy_(self.grads[start:], self.views[start:])
             return
         for i, p, g, v in zip(self.param_indices, self.params, self.grads, self.views):
             if mask is not None and not mask[i]:

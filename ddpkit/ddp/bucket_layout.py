@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.ddp.adoption import reclaim
 from ddpkit.ddp.bucket import Bucket, assign_buckets
 from ddpkit.ddp.inplace_bucket import InPlaceBucket
 from ddpkit.ddp.profiling import bucket_range
@@ -151,11 +152,31 @@ class BucketLayout:
             for i, v in zip(b.param_indices if self.as_view else b.param_indices[: b.num_big], b.views):
                 self.big_slot[i] = v
 
-    def write_back(self, mask: Sequence[bool] | None) -> None:
-        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone."""
+    def write_back(self, mask: Sequence[bool] | None, adopt: bool = False) -> None:
+        """Put the averages where the gradients were; ``mask[i]`` False: leave parameter ``i`` alone.
+        ``adopt``: big gradients keep them in their slots (Note [Averages in their slots])."""
         for bucket in self.buckets:
             with bucket_range(bucket, "write_back"):
-                bucket.write_back(self.as_view, mask)
+                if isinstance(bucket, Bucket):
+                    bucket.write_back(self.as_view, mask, adopt)
+                else:
+                    bucket.write_back(self.as_view, mask)
+
+    def let_go_of_retired(self) -> None:
+        """At a forward: free the memory big gradients had before they took their slots. Freed at the
+        end of backward, before the optimizer's step, it cost the conv + BatchNorm net page faults
+        (Note [Averages in their slots])."""
+        for bucket in self.buckets:
+            if isinstance(bucket, Bucket) and bucket.retired:
+                bucket.retired = []
+
+    def reclaim(self) -> None:
+        """Before a backward writes into the buckets: one whose slot a kept gradient still holds
+        gets new memory, and its big parameters' slots move with it."""
+        for bucket in self.buckets:
+            if isinstance(bucket, Bucket) and bucket.adopted and reclaim(bucket):
+                for i, view in zip(bucket.param_indices[: bucket.num_big], bucket.views):
+                    self.big_slot[i] = view
 
     def release(self) -> None:
         """Let go of the gradients written back, and of a hook's stand-in buffer (``set_buffer``,

@@ -203,6 +203,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         if self.device_ids:
             inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
         grad_enabled = torch.is_grad_enabled()
+        if self.reducer is not None and self.reducer.adopt:
+            self.reducer.layout.let_go_of_retired()
         if grad_enabled and self.require_backward_grad_sync:
             self.logger.start_forward()  # torch's iteration count, and its sampled timings
             if self.reducer is not None:

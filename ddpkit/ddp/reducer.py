@@ -25,7 +25,7 @@ from ddpkit.ddp.autograd_engine import (
     outside_backward_python_context,
     queue_end_of_backward_callback,
 )
-from ddpkit.ddp.bucket import Bucket, copy_in, move_in
+from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, Bucket, copy_in, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
 from ddpkit.ddp.cpu_share import own_cpu_cap
@@ -46,15 +46,15 @@ class Reducer:
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
     options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
-    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``logger``: the DDP's (torch's
-    logging data), else one of its own that notes errors only."""
+    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``adopt``: see Note [Averages in
+    their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
                  cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
-                 in_place_bytes: int = IN_PLACE_BYTES, logger: DDPLogger | None = None):
+                 in_place_bytes: int = IN_PLACE_BYTES, adopt: bool = True, logger: DDPLogger | None = None):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -71,6 +71,10 @@ class Reducer:
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
                                    own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
+        # big CPU gradients keep their averages in their slots, where no used map may leave one alone
+        self.adopt = (adopt and not (gradient_as_bucket_view or find_unused_parameters)
+                      and all(p.device.type == "cpu" for p in self.params))
+        self._big = [p.numel() >= BIG_PARAM_NUMEL for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
@@ -197,8 +201,10 @@ class Reducer:
         slot = it.big_slot[index]
         if slot is not None and self._join_work is None:  # else at _launch, once the scale is known
             grad = self.params[index].grad
-            if grad is not None and self.as_view:  # the first time, it becomes its view (scaled at launch)
-                move_in(self.params[index], grad, slot)
+            if grad is not None and self.as_view:  # it is its view, or becomes it; a big one scaled now
+                scale = it.scale if self._big[index] and self.collectives.comm_hook is None else None
+                move_in(self.params[index], grad, slot, scale)
+                it.copied[index] = scale is not None
             elif grad is not None:
                 copy_in(grad, slot, it.scale if self.collectives.comm_hook is None else None)
                 it.copied[index] = True
@@ -216,6 +222,8 @@ class Reducer:
         errors.warn_if_create_graph(self.rank, self.params[index].grad)  # as torch's reducer does
         if it.begin_reducing():  # backward did not come through the outputs we know of
             queue_end_of_backward_callback(self.finalize_backward)
+        if self.adopt:  # before any gradient is written into a slot that a kept gradient holds
+            self.layout.reclaim()
         deferred = self.usage.deferred_unused
         if deferred:  # before counting this gradient in, whose parameter may be among them
             it.mark_unused(deferred)
@@ -269,7 +277,8 @@ class Reducer:
                 elif failed:  # some rank lacked gradients: raise on every rank
                     buckets[-1].flag.zero_()
                     self.collectives.raise_missing([self.names[i] for i in missing], self.usage.static_graph)
-                self.layout.write_back(self.usage.write_mask)
+                self.layout.write_back(self.usage.write_mask, adopt=self.adopt and not self.usage.static_graph
+                                       and self.collectives.comm_hook is None)
                 outcome = Phase.FINALIZED
                 if timing:
                     self.logger.end_backward(self.params, it.used, buckets, self.skip_unused)

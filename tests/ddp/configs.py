@@ -225,6 +225,18 @@ CONFIGS: tuple[Config, ...] = (
     Config("in_place_off_find_unused", model="unused", in_place_bytes=256, kwargs={"find_unused_parameters": True}),
     Config("in_place_off_bucket_norm_hook", hook="bucket_norm", in_place_bytes=256),
     Config("in_place_off_grad_as_bucket_view", in_place_bytes=256, kwargs={"gradient_as_bucket_view": True}),
+    # the wide model's 600 x 700 weight keeps its average in its bucket slot (Note [Averages in their
+    # slots]); backward then accumulates into the slot where zero_grad does not set it to None
+    Config("wide_zeroed", model="wide", steps=3, set_to_none=False),
+    Config("wide_zeroed_after_forward", model="wide", steps=3, set_to_none=False, zero_grad_after_forward=True),
+    Config("wide_zero_grad_after_forward", model="wide", steps=3, zero_grad_after_forward=True),
+    Config("wide_no_sync_zeroed", model="wide", accumulate="no_sync", steps=6, set_to_none=False),
+    Config("wide_join_zeroed", model="wide", steps=3, uneven=True, set_to_none=False),
+    Config("wide_user_hook_replaces_zeroed", model="wide", steps=3, user_hook="replace", set_to_none=False),
+    Config("wide_grad_as_bucket_view_zeroed", model="wide", steps=3, set_to_none=False,
+           kwargs={"gradient_as_bucket_view": True}),
+    Config("wide_grad_as_bucket_view_join_divide_by_active_ranks", model="wide", steps=3, uneven=True,
+           join={"divide_by_initial_world_size": False}, kwargs={"gradient_as_bucket_view": True}),
 )
 
 _BY_NAME = {config.name: config for config in CONFIGS}
@@ -236,4 +248,4 @@ THREE_RANKS: tuple[Config, ...] = tuple(_BY_NAME[name] for name in (
     "batchnorm_broadcast", "no_sync", "join_uneven", "join_divide_by_active_ranks", "fp16_hook",
     "grad_as_bucket_view", "wide_join_divide_by_active_ranks", "join_unused_user_joins_first",
     "bucket_halves_join", "sparse_embedding", "sparse_embedding_find_unused", "sparse_embedding_no_sync",
-    "sparse_embedding_join", "in_place", "in_place_join", "in_place_join_halves"))
+    "sparse_embedding_join", "in_place", "in_place_join", "in_place_join_halves", "wide_zeroed"))

@@ -1,0 +1,69 @@
+"""Averages left where the bucket put them: a big gradient takes its bucket slot as its memory.
+
+Without ``gradient_as_bucket_view``, torch's reducer copies each average from the bucket back into
+``.grad``: a second pass over every gradient. Where ``.grad`` is a tensor no one else can see into
+(its storage is its own), ddpkit instead points that very tensor at its slot (``Tensor.set_``): the
+same object, holding the same averages, with no copy. A gradient the caller kept from an earlier
+iteration may still lie in a slot; before a backward writes into a bucket, ``reclaim`` finds such
+a gradient and gives the bucket new memory, so that what the caller holds never changes.
+See Note [Averages in their slots] in docs/design.md.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ddpkit.ddp.bucket import Bucket
+
+__all__ = ["storage_refs", "adopt_slots", "reclaim"]
+
+_use_count = torch._C._storage_Use_Count
+
+
+def storage_refs(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold ``tensor``'s memory, counting this call's own."""
+    return _use_count(tensor.untyped_storage()._cdata)
+
+
+def adopt_slots(bucket: Bucket) -> None:
+    """Leave the averages of the bucket's big gradients in their slots: each ``.grad`` that only
+    itself holds its memory is pointed at its slot; any other gets the average copied in."""
+    grads, views = bucket.grads, bucket.views
+    with torch.no_grad():
+        for k in range(bucket.num_big):
+            grad, slot = grads[k], views[k]
+            if grad.data_ptr() == slot.data_ptr():  # it lies there already (zero_grad(set_to_none=False))
+                continue
+            # 2: the gradient and the storage object asked; strides kept, and no graph around it
+            if storage_refs(grad) == 2 and grad.stride() == slot.stride() and not grad.requires_grad:
+                # its old memory is let go at the next forward, where zero_grad would have freed it
+                bucket.retired.append(grad.untyped_storage())
+                grad.set_(slot)
+                bucket.adopted.append((k, weakref.ref(grad)))
+            else:  # a view, or viewed: whoever shares its memory sees the average there, as with torch
+                grad.copy_(slot)
+
+
+def reclaim(bucket: Bucket) -> bool:
+    """Before a backward writes into ``bucket``: True if it took new memory because something
+    other than its parameters' current ``.grad`` still holds a slot (a gradient kept after
+    ``zero_grad``, or a view of one)."""
+    if not bucket.adopted:
+        return False
+    kept = []
+    for k, ref in bucket.adopted:
+        grad = ref()
+        # still the gradient, in its slot: backward accumulates there (zero_grad(set_to_none=False));
+        # one freed by zero_grad, or moved away by its owner, is forgotten; one kept by the caller
+        # after its parameter moved on counts against the bucket's memory, as does any view of one
+        if grad is not None and grad is bucket.params[k].grad and grad.data_ptr() == bucket.views[k].data_ptr():
+            kept.append((k, ref))
+    bucket.adopted = kept
+    if storage_refs(bucket.flat) != bucket.own_refs + len(kept):
+        bucket.allocate()
+        bucket.adopted = []
+        return True
+    return False
