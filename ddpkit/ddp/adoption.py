@@ -18,14 +18,16 @@ import torch
 if TYPE_CHECKING:
     from ddpkit.ddp.bucket import Bucket
 
-__all__ = ["storage_refs", "adopt_slots", "reclaim"]
+__all__ = ["AVAILABLE", "storage_refs", "adopt_slots", "reclaim"]
 
-_use_count = torch._C._storage_Use_Count
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+AVAILABLE = _use_count is not None
+"""Whether this torch can count what holds a storage; without it the averages are copied back."""
 
 
 def storage_refs(tensor: torch.Tensor) -> int:
     """How many tensors (and storage objects) hold ``tensor``'s memory, counting this call's own."""
-    return _use_count(tensor.untyped_storage()._cdata)
+    return _use_count(tensor.untyped_storage()._cdata) if AVAILABLE else 0
 
 
 def adopt_slots(bucket: Bucket) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.ddp import errors
+from ddpkit.ddp import adoption, errors
 from ddpkit.ddp.autograd_engine import (
     gradient_accumulator,
     outside_backward_python_context,
@@ -72,7 +72,7 @@ class Reducer:
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
                                    own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
         # big CPU gradients keep their averages in their slots, where no used map may leave one alone
-        self.adopt = (adopt and not (gradient_as_bucket_view or find_unused_parameters)
+        self.adopt = (adopt and adoption.AVAILABLE and not (gradient_as_bucket_view or find_unused_parameters)
                       and all(p.device.type == "cpu" for p in self.params))
         self._big = [p.numel() >= BIG_PARAM_NUMEL for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)

@@ -131,3 +131,24 @@ def test_a_big_gradient_keeps_its_average_in_its_slot_step_after_step():
     for set_to_none in (True, False):
         for result in run_ranks(_big_grad_worker, 2, args=(set_to_none,), timeout=60):
             assert result["in_bucket"] == [True] * STEPS, (set_to_none, result)
+
+
+def _old_memory_worker() -> dict:
+    ddp = ddpkit.DistributedDataParallel(_model())
+    weight = ddp.module[2].weight
+    refs = []
+    # the gradient autograd made, before the reducer sees it: its memory is what the slot replaces
+    weight.register_post_accumulate_grad_hook(lambda p: refs.append(p.grad.untyped_storage()._weak_ref()))
+    alive = []
+    for step in range(STEPS):
+        ddp(_batch(0, step)).sum().backward()
+        alive.append(not torch.UntypedStorage._expired(refs[-1]))  # held, as torch holds its .grad
+        ddp.zero_grad()
+        ddp(_batch(0, step))  # a forward: where torch's zero_grad would have freed it at the latest
+        alive.append(not torch.UntypedStorage._expired(refs[-1]))
+    return {"alive": alive}
+
+
+def test_the_memory_a_gradient_leaves_is_freed_by_the_next_forward():
+    for result in run_ranks(_old_memory_worker, 2, timeout=60):
+        assert result["alive"] == [True, False] * STEPS, result
