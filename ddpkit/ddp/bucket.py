@@ -238,9 +238,10 @@ class Bucket(GradBucketBasics):
         slots]; never where ``mask`` may leave a gradient alone)."""
         if mask is None and not self.has_none:
             if not as_view:
-                start = self.num_big if adopt else 0
+                start = 0
                 if adopt:
                     adopt_slots(self)
+                    start = self.num_big
                 if start < len(self.grads):
                     torch._foreach_copy_(self.grads[start:], self.views[start:])
             return

@@ -163,9 +163,8 @@ class BucketLayout:
                     bucket.write_back(self.as_view, mask)
 
     def let_go_of_retired(self) -> None:
-        """At a forward: free the memory big gradients had before they took their slots. Freed at the
-        end of backward, before the optimizer's step, it cost the conv + BatchNorm net page faults
-        (Note [Averages in their slots])."""
+        """At a forward: free the memory big gradients had before they took their slots, where
+        torch's ``zero_grad`` frees it at the latest (Note [Averages in their slots])."""
         for bucket in self.buckets:
             if isinstance(bucket, Bucket) and bucket.retired:
                 bucket.retired = []
