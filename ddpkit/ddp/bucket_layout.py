@@ -157,10 +157,7 @@ class BucketLayout:
         ``adopt``: big gradients keep them in their slots (Note [Averages in their slots])."""
         for bucket in self.buckets:
             with bucket_range(bucket, "write_back"):
-                if isinstance(bucket, Bucket):
-                    bucket.write_back(self.as_view, mask, adopt)
-                else:
-                    bucket.write_back(self.as_view, mask)
+                bucket.write_back(self.as_view, mask, adopt)
 
     def let_go_of_retired(self) -> None:
         """At a forward: free the memory big gradients had before they took their slots, where

@@ -65,9 +65,10 @@ class InPlaceBucket(GradBucketBasics):
         self._data = data
         self.flat = self._buffer = data.view(-1)
 
-    def write_back(self, as_view: bool, mask: Sequence[bool] | None) -> None:
+    def write_back(self, as_view: bool, mask: Sequence[bool] | None, adopt: bool = False) -> None:
         """The average is in the gradient already; a rank that had none gets it (unless ``mask``
-        says no rank used the parameter), and a non-contiguous gradient gets it copied back."""
+        says no rank used the parameter), and a non-contiguous gradient gets it copied back.
+        ``adopt``: nothing to do, the average is in the gradient's own memory."""
         grad, data = self.grads[0], self._data
         if grad is None:
             if mask is None or mask[self.param_indices[0]]:

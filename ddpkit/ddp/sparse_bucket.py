@@ -83,10 +83,11 @@ class SparseBucket(GradBucketBasics):
             works.append(dist.all_reduce(self.flag, group=group, async_op=True))
         return works
 
-    def write_back(self, as_view: bool, mask: Sequence[bool] | None) -> None:
+    def write_back(self, as_view: bool, mask: Sequence[bool] | None, adopt: bool = False) -> None:
         """The average is in the gradient already (reduced in place); a rank that had none gets it,
         unless ``mask`` says no rank used the parameter. A stale gradient that no rank used is
-        averaged all the same, as torch does."""
+        averaged all the same, as torch does.
+        ``adopt``: nothing to do, a sparse gradient has no slot."""
         if not self.had_grad and (mask is None or mask[self.param_indices[0]]):
             self.params[0].grad = self.grad
 
