@@ -4,6 +4,7 @@
     ddpkit bench --quick --json o.json # smoke run, a few seconds
     python -m ddpkit bench --nproc 4 --tables collectives --plot bw.png
     ddpkit bench --tables ddp,memory --nproc 2,3 --models mlp34,embedding
+    ddpkit bench --pool run1.json run2.json run3.json   # one verdict from three runs' rounds
 
 The bench spawns its own ranks (it needs no launcher), hosts their rendezvous store on a port the OS
 picks, and prints every table on rank 0.
@@ -63,6 +64,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write every figure here")
     parser.add_argument("--plot", dest="plot_path", metavar="FILE.png",
                         help="draw bandwidth and step-time plots (needs matplotlib: ddpkit[plot])")
+    parser.add_argument("--pool", nargs="+", metavar="FILE.json",
+                        help="run nothing: pool the DDP step rounds of earlier --json files into one "
+                             "median and 95%% interval per model and pair, per world size")
     return parser
 
 
@@ -168,6 +172,8 @@ def _default_backend() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns 0 when every rank finished, 1 otherwise (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--pool" in argv:
+        return _pool(argv)
     try:
         configs = parse_all(argv)
     except SystemExit as e:
@@ -178,6 +184,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddpkit bench: --nproc {config.nproc}", flush=True)
         worst = max(worst, _run(config))
     return worst
+
+
+def _pool(argv: list[str]) -> int:
+    """``--pool``: print the pooled tables of earlier runs; 2 for a file that holds none."""
+    from ddpkit.bench.pool import BenchFileError, pool_tables
+
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tables = pool_tables(args.pool)
+    except BenchFileError as e:
+        print(f"ddpkit bench: {e}", file=sys.stderr)
+        return 2
+    print("\n\n".join(t.render() for t in tables))
+    return 0
 
 
 def _run(config) -> int:

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.bench.models import build_model, make_batch
-from ddpkit.bench.report import Table, median, quantile, summarize
+from ddpkit.bench.report import Table, median, median_interval, quantile, summarize
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 from ddpkit.ddp.distributed import DistributedDataParallel
 
-__all__ = ["VARIANTS", "Stepper", "make_ddp", "make_stepper",
+__all__ = ["VARIANTS", "Stepper", "make_ddp", "make_stepper", "paired_ratio",
            "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
 
 VARIANTS = ("local", "ddpkit", "torch", "floor")
@@ -174,12 +174,20 @@ def run_ddp_step(model_names: list[str], quick: bool, repeats: int, steps: int,
 
 
 def _ratio(rows: list[dict], model: str, a: str, b: str, key: str = "times") -> dict[str, float] | None:
-    """Median and quartiles over rounds of ``a``'s time over ``b``'s in the same round."""
+    """Median, quartiles and the median's 95% interval over rounds of ``a``'s time over ``b``'s in
+    the same round."""
     by = {r["variant"]: r for r in rows if r["model"] == model and r["available"]}
     if a not in by or b not in by:
         return None
-    paired = [x / y for x, y in zip(by[a][key], by[b][key])]
-    return {"median": median(paired), "q1": quantile(paired, 0.25), "q3": quantile(paired, 0.75)}
+    return paired_ratio(by[a][key], by[b][key])
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
+    """The figures of ``a``/``b`` from the ratios of the same rounds' times."""
+    paired = [x / y for x, y in zip(a, b)]
+    low, high = median_interval(paired)
+    return {"median": median(paired), "q1": quantile(paired, 0.25), "q3": quantile(paired, 0.75),
+            "ci_low": low, "ci_high": high}
 
 
 def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict[str, str]) -> Table:
@@ -199,10 +207,12 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
         for a, b in _PAIRS:
             wall, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_times")
             parts.append(f"{a}/{b} = {wall['median']:.3f} [{wall['q1']:.2f}-{wall['q3']:.2f}] "
-                         f"(cpu {cpu['median']:.3f})" if wall and cpu else f"{a}/{b} = n/a")
+                         f"(95% {wall['ci_low']:.3f}-{wall['ci_high']:.3f}, cpu {cpu['median']:.3f})"
+                         if wall and cpu else f"{a}/{b} = n/a")
         table.notes.append(f"{model} ({describe.get(model, '')}): " + ", ".join(parts))
     table.notes.append("a/b: median over rounds of a's step time over b's in the same round "
-                       "[quartiles]; the variants alternate their order from round to round.")
+                       "[quartiles] (95%: the median's confidence interval; an interval holding 1 "
+                       "does not tell a from b); the variants alternate their order from round to round.")
     table.notes.append("cpu: median process CPU time per step (all threads of the rank, max over "
                        "ranks): the work done, less sensitive than wall time to a busy machine.")
     for r in rows:
@@ -212,7 +222,8 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
 
 
 def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
-    """ddpkit/torch, ddpkit/floor and torch/floor per model: paired medians and quartiles, wall and CPU."""
+    """ddpkit/torch, ddpkit/floor and torch/floor per model: paired medians, quartiles and the
+    medians' 95% intervals, wall and CPU."""
     out: dict[str, dict[str, float | None]] = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         out[model] = {}
@@ -222,4 +233,6 @@ def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
                 out[model][f"{a}/{b}{suffix}"] = stats and stats["median"]
                 out[model][f"{a}/{b}{suffix} q1"] = stats and stats["q1"]
                 out[model][f"{a}/{b}{suffix} q3"] = stats and stats["q3"]
+                out[model][f"{a}/{b}{suffix} ci_low"] = stats and stats["ci_low"]
+                out[model][f"{a}/{b}{suffix} ci_high"] = stats and stats["ci_high"]
     return out

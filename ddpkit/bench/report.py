@@ -1,10 +1,12 @@
-"""Plain-text tables and the small statistics the bench reports (median, quartiles)."""
+"""Plain-text tables and the small statistics the bench reports (median, quartiles, the median's
+confidence interval)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["Table", "fmt_bytes", "median", "quantile", "summarize"]
+__all__ = ["Table", "fmt_bytes", "median", "median_interval", "quantile", "summarize"]
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -20,6 +22,30 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return quantile(values, 0.5)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``confidence`` interval for the median of what ``values`` sample.
+
+    The k-th smallest and the k-th largest of n values, with k the largest for which fewer than k
+    values fall below the true median with probability at most (1 - confidence) / 2 (a binomial
+    with p = 1/2; no assumption on the timings' distribution, which on a busy machine has a long
+    tail). Too few values for the confidence asked (fewer than 6 for 95%) give their whole range.
+    """
+    if not values:
+        raise ValueError("median_interval of no values.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, got {confidence}.")
+    ordered = sorted(values)
+    n, tail = len(ordered), (1 - confidence) / 2
+    below, k = 0.0, 0  # below: P(fewer than k + 1 values under the median)
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
