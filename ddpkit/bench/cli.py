@@ -66,7 +66,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="draw bandwidth and step-time plots (needs matplotlib: ddpkit[plot])")
     parser.add_argument("--pool", nargs="+", metavar="FILE.json",
                         help="run nothing: pool the DDP step rounds of earlier --json files into one "
-                             "median and 95%% interval per model and pair, per world size")
+                             "median and 95%% interval per model and pair, per world size (the other "
+                             "options are ignored)")
     return parser
 
 
@@ -172,9 +173,9 @@ def _default_backend() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns 0 when every rank finished, 1 otherwise (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--pool" in argv:
-        return _pool(argv)
     try:
+        if _build_parser().parse_args(argv).pool:  # (--pool=FILE and --poo FILE too)
+            return _pool(argv)
         configs = parse_all(argv)
     except SystemExit as e:
         return int(e.code or 0)

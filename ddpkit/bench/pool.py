@@ -78,7 +78,8 @@ def pool_tables(paths: Sequence[str]) -> list[Table]:
         groups.setdefault(setting, []).append((path, rows))
     tables = []
     for (world_size, backend, device), runs in groups.items():
-        table = Table(f"2. DDP step time, {len(runs)} runs pooled ({world_size} ranks, {backend}, {device})",
+        pooled = f"{len(runs)} runs pooled" if len(runs) > 1 else "1 run"
+        table = Table(f"2. DDP step time, {pooled} ({world_size} ranks, {backend}, {device})",
                       ["model", "pair", "rounds", "median", "95% interval", "verdict", "each run's median"])
         for model, pairs in pool_runs([rows for _, rows in runs]).items():
             for pair, f in pairs.items():

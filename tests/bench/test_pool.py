@@ -65,7 +65,7 @@ def test_pool_joins_the_rounds_of_runs_at_the_same_world_size(tmp_path, capsys):
     files.append(_run_file(tmp_path / "other.json", 3, [0.9] * 10, [1.0] * 10))
     assert main(["--pool", *files]) == 0
     out = capsys.readouterr().out
-    assert "3 runs pooled (2 ranks, gloo, cpu)" in out and "1 runs pooled (3 ranks, gloo, cpu)" in out
+    assert "3 runs pooled (2 ranks, gloo, cpu)" in out and "1 run (3 ranks, gloo, cpu)" in out
     line = next(x for x in out.splitlines() if x.startswith("m ") and "ddpkit/torch" in x and " 120 " in x)
     pooled = median([x for r in runs for x in r])
     low, high = median_interval([x for r in runs for x in r])
@@ -74,6 +74,8 @@ def test_pool_joins_the_rounds_of_runs_at_the_same_world_size(tmp_path, capsys):
     assert ("within noise" in line) == (low <= 1 <= high)
     three = next(x for x in out.splitlines() if x.startswith("m ") and "ddpkit/torch" in x and " 10 " in x)
     assert "ddpkit faster" in three
+    assert main([f"--pool={files[-1]}"]) == 0  # argparse's other spelling runs nothing either
+    assert "1 run (3 ranks" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("content, message", [
