@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from ddpkit.ddp.bucket import Bucket
 
-__all__ = ["AVAILABLE", "storage_refs", "adopt_slots", "reclaim"]
+__all__ = ["AVAILABLE", "storage_refs", "adopt_slots", "reclaim", "let_go_of_replaced"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 AVAILABLE = _use_count is not None
@@ -69,3 +69,19 @@ def reclaim(bucket: Bucket) -> bool:
         bucket.adopted = []
         return True
     return False
+
+
+def let_go_of_replaced(bucket: Bucket, k: int, grad: torch.Tensor) -> None:
+    """Before ``grad``, which is not in slot ``k``, is written there: the gradient that held the
+    slot (``zero_grad(set_to_none=False)`` left it there) was replaced during this backward, by a
+    hook of the caller's (``p.grad = p.grad * 2``). If the caller still holds it, it takes memory of
+    its own with its values, which with torch, where it never was the bucket's, stay as backward
+    left them."""
+    for j, (pos, ref) in enumerate(bucket.adopted):
+        if pos == k:
+            old = ref()
+            if old is not None and old is not grad and old.data_ptr() == bucket.views[k].data_ptr():
+                with torch.no_grad():
+                    old.set_(old.clone())
+            del bucket.adopted[j]
+            return

@@ -206,6 +206,9 @@ class Reducer:
                 move_in(self.params[index], grad, slot, scale)
                 it.copied[index] = scale is not None
             elif grad is not None:
+                held = self.layout.held_slots
+                if held and index in held and grad.data_ptr() != slot.data_ptr():
+                    adoption.let_go_of_replaced(*held[index], grad)
                 copy_in(grad, slot, it.scale if self.collectives.comm_hook is None else None)
                 it.copied[index] = True
         record = it.record

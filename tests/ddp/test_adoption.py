@@ -7,6 +7,8 @@ gradients are views of receiving the averages. Each scenario trains both DDPs on
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from ranks import run_ranks
 from torch import nn
@@ -48,6 +50,14 @@ def _train(kind: str, scenario: str, rank: int) -> dict:
     out: dict = {"grads": [], "checks": []}
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (what the caller holds, its values then)
     flat = None
+    out["replaced"] = []  # replaced_in_backward: what the caller's reference to the old gradient holds
+    if scenario.startswith("replaced_in_backward"):
+        # zero_grad(set_to_none=False): the gradient stays in its slot from one step to the next;
+        # the caller's hook replaces it during backward, while the caller still holds the old one
+        # (under join, where the divisor is known only at launch, it is copied in at the launch)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        params[2].register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad * 2))
     if scenario in ("own_tensors", "non_contiguous"):
         for p in params:
             # non_contiguous: column-major weights' gradients, each its own memory (not a view)
@@ -61,38 +71,44 @@ def _train(kind: str, scenario: str, rank: int) -> dict:
             offset += p.numel()
     held = [p.grad for p in params]
     strides = [None if g is None else g.stride() for g in held]
-    for step in range(STEPS):
-        ddp(_batch(rank, step)).square().mean().backward()
-        out["grads"].append([p.grad.clone() for p in params])
-        if scenario in ("own_tensors", "non_contiguous"):  # the same objects, with their strides
-            out["checks"].append(all(p.grad is g for p, g in zip(params, held)))
-            out["checks"].append([p.grad.stride() for p in params] == strides)
-        if scenario == "views_of_own_buffer":  # the averages land in the caller's buffer
-            out["checks"].append(torch.equal(flat, torch.cat([p.grad.reshape(-1) for p in params])))
-        if scenario == "kept":
-            kept += [(p.grad, p.grad.clone()) for p in params]
-        if scenario == "kept_view":
-            kept += [(p.grad.view(-1), p.grad.clone().view(-1)) for p in params]
-        if scenario == "kept_detached":
-            kept += [(p.grad.detach(), p.grad.clone()) for p in params]
-        if kind == "ddpkit" and scenario == "kept":  # the path under test is taken
-            out["checks"].append(_in_bucket(ddp, params[2].grad))
-        with torch.no_grad():
-            for p in params:
-                p.sub_(0.1 * p.grad)
-        if scenario in ("own_tensors", "non_contiguous", "views_of_own_buffer"):
-            for p in params:
-                p.grad.zero_()
-        else:
-            for p in params:
-                p.grad = None
+    joined = ddp.join(divide_by_initial_world_size=False) if scenario.endswith("join") else nullcontext()
+    with joined:
+        for step in range(STEPS):
+            before = params[2].grad
+            ddp(_batch(rank, step)).square().mean().backward()
+            out["grads"].append([p.grad.clone() for p in params])
+            if scenario.startswith("replaced_in_backward"):  # torch: it keeps what backward accumulated into it
+                out["replaced"].append(before.clone())
+            if scenario in ("own_tensors", "non_contiguous"):  # the same objects, with their strides
+                out["checks"].append(all(p.grad is g for p, g in zip(params, held)))
+                out["checks"].append([p.grad.stride() for p in params] == strides)
+            if scenario == "views_of_own_buffer":  # the averages land in the caller's buffer
+                out["checks"].append(torch.equal(flat, torch.cat([p.grad.reshape(-1) for p in params])))
+            if scenario == "kept":
+                kept += [(p.grad, p.grad.clone()) for p in params]
+            if scenario == "kept_view":
+                kept += [(p.grad.view(-1), p.grad.clone().view(-1)) for p in params]
+            if scenario == "kept_detached":
+                kept += [(p.grad.detach(), p.grad.clone()) for p in params]
+            if kind == "ddpkit" and scenario == "kept":  # the path under test is taken
+                out["checks"].append(_in_bucket(ddp, params[2].grad))
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(0.1 * p.grad)
+            if scenario in ("own_tensors", "non_contiguous", "views_of_own_buffer") or scenario.startswith("replaced"):
+                for p in params:
+                    p.grad.zero_()
+            else:
+                for p in params:
+                    p.grad = None
     # what the caller kept never changed
     out["checks"].append(all(torch.equal(t, copy) for t, copy in kept))
     out["params"] = [p.detach().clone() for p in params]
     return out
 
 
-SCENARIOS = ("kept", "kept_view", "kept_detached", "own_tensors", "non_contiguous", "views_of_own_buffer")
+SCENARIOS = ("kept", "kept_view", "kept_detached", "own_tensors", "non_contiguous", "views_of_own_buffer",
+             "replaced_in_backward", "replaced_in_backward_join")
 
 
 def _worker() -> dict:
@@ -111,6 +127,8 @@ def test_averages_in_slots_look_to_the_caller_as_torchs_copies_do():
             for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
                 for i, (x, y) in enumerate(zip(a, b)):
                     torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=f"{scenario} step {step} grad {i}")
+            for step, (x, y) in enumerate(zip(ours["replaced"], theirs["replaced"])):
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=f"{scenario} step {step} old grad")
             for x, y in zip(ours["params"], theirs["params"]):
                 torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=scenario)
 
