@@ -25,11 +25,12 @@ from ddpkit.bench.report import Table, median, median_interval, quantile, summar
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 from ddpkit.ddp.distributed import DistributedDataParallel
 
-__all__ = ["VARIANTS", "Stepper", "make_ddp", "make_stepper", "paired_ratio",
+__all__ = ["VARIANTS", "PAIRS", "Stepper", "make_ddp", "make_stepper", "paired_ratio",
            "time_interleaved", "run_ddp_step", "ddp_step_table", "ratios"]
 
 VARIANTS = ("local", "ddpkit", "torch", "floor")
-_PAIRS = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
+PAIRS = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
+"""The ratios every table and file reports, as (numerator, denominator)."""
 _LR = 0.01
 
 
@@ -204,7 +205,7 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
                   f"{r['cpu_median'] * 1e3:.2f}")
     for model in dict.fromkeys(r["model"] for r in rows):
         parts = []
-        for a, b in _PAIRS:
+        for a, b in PAIRS:
             wall, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_times")
             parts.append(f"{a}/{b} = {wall['median']:.3f} [{wall['q1']:.2f}-{wall['q3']:.2f}] "
                          f"(95% {wall['ci_low']:.3f}-{wall['ci_high']:.3f}, cpu {cpu['median']:.3f})"
@@ -227,7 +228,7 @@ def ratios(rows: list[dict]) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         out[model] = {}
-        for a, b in _PAIRS:
+        for a, b in PAIRS:
             for key, suffix in (("times", ""), ("cpu_times", " cpu")):
                 stats = _ratio(rows, model, a, b, key)
                 out[model][f"{a}/{b}{suffix}"] = stats and stats["median"]

@@ -12,13 +12,10 @@ import json
 import os
 from typing import Sequence
 
-from ddpkit.bench.ddp_step import paired_ratio
+from ddpkit.bench.ddp_step import PAIRS, paired_ratio
 from ddpkit.bench.report import Table
 
 __all__ = ["BenchFileError", "load_ddp_rounds", "pool_runs", "pool_tables"]
-
-_PAIRS = (("ddpkit", "torch"), ("ddpkit", "floor"), ("torch", "floor"))
-
 
 class BenchFileError(ValueError):
     """A file given to ``--pool`` that holds no DDP step rounds: it names the file and what is missing."""
@@ -48,7 +45,7 @@ def pool_runs(runs: Sequence[list[dict]]) -> dict[str, dict[str, dict]]:
     pooled: dict[str, dict[str, dict]] = {}
     models = dict.fromkeys(r["model"] for rows in runs for r in rows)
     for model in models:
-        for a, b in _PAIRS:
+        for a, b in PAIRS:
             xs, ys, per_run = [], [], []
             for rows in runs:
                 by = {r["variant"]: r for r in rows if r["model"] == model and r.get("available")}

@@ -18,7 +18,8 @@ import torch
 if TYPE_CHECKING:
     from ddpkit.ddp.bucket import Bucket
 
-__all__ = ["AVAILABLE", "storage_refs", "adopt_slots", "reclaim", "let_go_of_replaced"]
+__all__ = ["AVAILABLE", "storage_refs", "adopt_slots", "reclaim", "let_go_of_replaced",
+           "let_go_of_replaced_at_fill"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 AVAILABLE = _use_count is not None
@@ -85,3 +86,12 @@ def let_go_of_replaced(bucket: Bucket, k: int, grad: torch.Tensor) -> None:
                     old.set_(old.clone())
             del bucket.adopted[j]
             return
+
+
+def let_go_of_replaced_at_fill(bucket: Bucket, grads: list, copied) -> None:
+    """``let_go_of_replaced`` for the big gradients that the bucket's fill copies in, where their
+    hooks did not (under join, whose divisor is known only at the launch)."""
+    for k, _ in list(bucket.adopted):
+        grad = grads[k]
+        if grad is not None and not copied[bucket.param_indices[k]] and grad.data_ptr() != bucket.views[k].data_ptr():
+            let_go_of_replaced(bucket, k, grad)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ddpkit.ddp.adoption import adopt_slots, let_go_of_replaced, storage_refs
+from ddpkit.ddp.adoption import adopt_slots, let_go_of_replaced_at_fill, storage_refs
 from ddpkit.errors import CommHookError, explain
 
 __all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
@@ -198,10 +198,8 @@ class Bucket(GradBucketBasics):
         grads = self.grads = [p.grad for p in self.params]
         views, num_big, indices = self.views, self.num_big, self.param_indices
         self.has_none = any(g is None for g in grads)
-        for k, _ in list(self.adopted):  # those their hooks did not copy in (under join)
-            g = grads[k]
-            if g is not None and not copied[indices[k]] and g.data_ptr() != views[k].data_ptr():
-                let_go_of_replaced(self, k, g)
+        if self.adopted:
+            let_go_of_replaced_at_fill(self, grads, copied)
         with torch.no_grad():
             if scale is not None and not as_view and not self.has_none:  # the common case
                 for k in range(num_big):
