@@ -186,7 +186,7 @@ def _ratio(rows: list[dict], model: str, a: str, b: str, key: str = "times") -> 
 def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
     """The figures of ``a``/``b`` from the ratios of the same rounds' times."""
     paired = [x / y for x, y in zip(a, b)]
-    low, high = median_interval(paired)
+    low, high = median_interval(paired) or (None, None)  # None: too few rounds for 95%
     return {"median": median(paired), "q1": quantile(paired, 0.25), "q3": quantile(paired, 0.75),
             "ci_low": low, "ci_high": high}
 
@@ -207,9 +207,10 @@ def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict
         parts = []
         for a, b in PAIRS:
             wall, cpu = _ratio(rows, model, a, b), _ratio(rows, model, a, b, "cpu_times")
+            interval = ("too few rounds" if wall is None or wall["ci_low"] is None
+                        else f"{wall['ci_low']:.3f}-{wall['ci_high']:.3f}")
             parts.append(f"{a}/{b} = {wall['median']:.3f} [{wall['q1']:.2f}-{wall['q3']:.2f}] "
-                         f"(95% {wall['ci_low']:.3f}-{wall['ci_high']:.3f}, cpu {cpu['median']:.3f})"
-                         if wall and cpu else f"{a}/{b} = n/a")
+                         f"(95% {interval}, cpu {cpu['median']:.3f})" if wall and cpu else f"{a}/{b} = n/a")
         table.notes.append(f"{model} ({describe.get(model, '')}): " + ", ".join(parts))
     table.notes.append("a/b: median over rounds of a's step time over b's in the same round "
                        "[quartiles] (95%: the median's confidence interval; an interval holding 1 "

@@ -1,10 +1,10 @@
 """``ddpkit bench --pool``: one verdict from the DDP step rounds of several earlier runs.
 
 Where two DDPs sit within a percent of each other, one run cannot tell them apart on a busy machine:
-its median over 40 rounds moves by about 1% from run to run and its 95% interval spans 4 to 6%.
+its median over 40 rounds moves by about 1% from run to run and its 95% interval spans 4 to 12%.
 Every round is a pair measured seconds apart, so the rounds of several runs (their ``--json``
-files, at one world size) pool like the rounds of one longer run, and the interval narrows with
-the square root of their number.
+files, in one setting) pool like the rounds of one longer run, and the interval narrows with the
+square root of their number.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ class BenchFileError(ValueError):
 
 def load_ddp_rounds(path: str) -> tuple[tuple, list[dict]]:
     """``(setting, rows)`` of one ``ddpkit bench --json`` file: the setting (world size, backend,
-    device) that runs must share to pool, and the DDP step table's rows with their rounds."""
+    device, ``--quick``, ``--steps``) that runs must share to pool, and the DDP step table's rows
+    with their rounds."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -36,7 +37,9 @@ def load_ddp_rounds(path: str) -> tuple[tuple, list[dict]]:
         raise BenchFileError(f"--pool {path!r}: no DDP step rounds in it. HINT: pool the --json files of "
                              "runs that included table 2, e.g. ddpkit bench --tables ddp --json run1.json.")
     meta = data.get("meta", {})
-    return (meta.get("world_size"), meta.get("backend"), meta.get("device")), rows
+    config = meta.get("config", {})  # --quick builds smaller models, --steps changes what a round is
+    return (meta.get("world_size"), meta.get("backend"), meta.get("device"), bool(config.get("quick")),
+            config.get("steps")), rows
 
 
 def pool_runs(runs: Sequence[list[dict]]) -> dict[str, dict[str, dict]]:
@@ -60,6 +63,8 @@ def pool_runs(runs: Sequence[list[dict]]) -> dict[str, dict[str, dict]]:
 
 
 def _verdict(a: str, b: str, figures: dict) -> str:
+    if figures["ci_low"] is None:
+        return "too few rounds"
     if figures["ci_high"] < 1:
         return f"{a} faster"
     if figures["ci_low"] > 1:
@@ -68,20 +73,21 @@ def _verdict(a: str, b: str, figures: dict) -> str:
 
 
 def pool_tables(paths: Sequence[str]) -> list[Table]:
-    """One table per setting (world size, backend, device) among ``paths``."""
+    """One table per setting (world size, backend, device, ``--quick``, ``--steps``) among ``paths``."""
     groups: dict[tuple, list[tuple[str, list[dict]]]] = {}
     for path in paths:
         setting, rows = load_ddp_rounds(path)
         groups.setdefault(setting, []).append((path, rows))
     tables = []
-    for (world_size, backend, device), runs in groups.items():
+    for (world_size, backend, device, quick, steps), runs in groups.items():
         pooled = f"{len(runs)} runs pooled" if len(runs) > 1 else "1 run"
-        table = Table(f"2. DDP step time, {pooled} ({world_size} ranks, {backend}, {device})",
+        setting = f"{world_size} ranks, {backend}, {device}, {steps} steps per repeat" + (", quick" if quick else "")
+        table = Table(f"2. DDP step time, {pooled} ({setting})",
                       ["model", "pair", "rounds", "median", "95% interval", "verdict", "each run's median"])
         for model, pairs in pool_runs([rows for _, rows in runs]).items():
             for pair, f in pairs.items():
-                table.add(model, pair, f["rounds"], f"{f['median']:.3f}",
-                          f"{f['ci_low']:.3f}-{f['ci_high']:.3f}", _verdict(*pair.split("/"), f),
+                interval = "-" if f["ci_low"] is None else f"{f['ci_low']:.3f}-{f['ci_high']:.3f}"
+                table.add(model, pair, f["rounds"], f"{f['median']:.3f}", interval, _verdict(*pair.split("/"), f),
                           " ".join(f"{m:.3f}" for m in f["run_medians"]))
         table.notes.append("runs: " + ", ".join(os.path.basename(p) for p, _ in runs))
         table.notes.append("a/b: median over all runs' rounds of a's step time over b's in the same round; "

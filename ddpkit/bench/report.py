@@ -24,13 +24,14 @@ def median(values: Sequence[float]) -> float:
     return quantile(values, 0.5)
 
 
-def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
     """A distribution-free ``confidence`` interval for the median of what ``values`` sample.
 
     The k-th smallest and the k-th largest of n values, with k the largest for which fewer than k
     values fall below the true median with probability at most (1 - confidence) / 2 (a binomial
     with p = 1/2; no assumption on the timings' distribution, which on a busy machine has a long
-    tail). Too few values for the confidence asked (fewer than 6 for 95%) give their whole range.
+    tail). None where even their whole range falls short of ``confidence`` (fewer than 6 values
+    for 95%, such as a ``--quick`` run's 3 rounds).
     """
     if not values:
         raise ValueError("median_interval of no values.")
@@ -44,7 +45,8 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
         if below > tail:
             break
         k += 1
-    k = max(k, 1)
+    if k == 0:
+        return None
     return ordered[k - 1], ordered[n - k]
 
 

@@ -72,12 +72,12 @@ def reclaim(bucket: Bucket) -> bool:
     return False
 
 
-def let_go_of_replaced(bucket: Bucket, k: int, grad: torch.Tensor) -> None:
-    """Before ``grad``, which is not in slot ``k``, is written there: the gradient that held the
-    slot (``zero_grad(set_to_none=False)`` left it there) was replaced during this backward, by a
-    hook of the caller's (``p.grad = p.grad * 2``). If the caller still holds it, it takes memory of
-    its own with its values, which with torch, where it never was the bucket's, stay as backward
-    left them."""
+def let_go_of_replaced(bucket: Bucket, k: int, grad: torch.Tensor | None) -> None:
+    """Before ``grad``, which is not in slot ``k`` (or None: zeros), is written there: the gradient
+    that held the slot (``zero_grad(set_to_none=False)`` left it there) was replaced during this
+    backward, by a hook of the caller's (``p.grad = p.grad * 2``, or None). If the caller still
+    holds it, it takes memory of its own with its values, which with torch, where it never was the
+    bucket's, stay as backward left them."""
     for j, (pos, ref) in enumerate(bucket.adopted):
         if pos == k:
             old = ref()
@@ -89,9 +89,10 @@ def let_go_of_replaced(bucket: Bucket, k: int, grad: torch.Tensor) -> None:
 
 
 def let_go_of_replaced_at_fill(bucket: Bucket, grads: list, copied) -> None:
-    """``let_go_of_replaced`` for the big gradients that the bucket's fill copies in, where their
-    hooks did not (under join, whose divisor is known only at the launch)."""
+    """``let_go_of_replaced`` for the big gradients that the bucket's fill writes, where their
+    hooks did not: copied in under join (whose divisor is known only at the launch), or zeroed for
+    a gradient the caller's hook set to None."""
     for k, _ in list(bucket.adopted):
         grad = grads[k]
-        if grad is not None and not copied[bucket.param_indices[k]] and grad.data_ptr() != bucket.views[k].data_ptr():
+        if grad is None or (not copied[bucket.param_indices[k]] and grad.data_ptr() != bucket.views[k].data_ptr()):
             let_go_of_replaced(bucket, k, grad)

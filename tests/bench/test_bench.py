@@ -79,7 +79,8 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
     for figures in data["ddp_step"]["ratios"].values():
         for pair in ("ddpkit/torch", "ddpkit/floor", "torch/floor", "ddpkit/torch cpu"):
             assert 0 < figures[f"{pair} q1"] <= figures[pair] <= figures[f"{pair} q3"]
-            assert 0 < figures[f"{pair} ci_low"] <= figures[pair] <= figures[f"{pair} ci_high"]
+            # --quick's 3 rounds are too few for a 95% interval of the median
+            assert figures[f"{pair} ci_low"] is None and figures[f"{pair} ci_high"] is None
 
     for r in data["buckets"]:
         assert r["median"] > 0

@@ -20,8 +20,9 @@ def test_the_median_interval_is_the_textbook_order_statistics():
     assert median_interval(list(range(1, 41))) == (14, 27)
     # n = 100: the 40th and 61st
     assert median_interval(list(range(1, 101))) == (40, 61)
-    # too few values for 95%: their whole range
-    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+    # too few values for 95% (a --quick run's 3 rounds): no interval; from 6 on, their whole range
+    assert median_interval([3.0, 1.0, 2.0]) is None and median_interval([1.0] * 5) is None
+    assert median_interval([6.0, 1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 6.0)
     with pytest.raises(ValueError, match="no values"):
         median_interval([])
     with pytest.raises(ValueError, match="confidence must lie strictly between 0 and 1, got 1.5"):
@@ -49,33 +50,51 @@ def test_ratios_carry_the_interval_of_the_rounds_own_ratios():
     assert figures["ddpkit/floor ci_low"] is None
 
 
-def _run_file(path, world_size: int, ddpkit: list[float], torch_: list[float]) -> str:
-    floor = [1.0] * len(ddpkit)
+def _run_file(path, world_size: int, ratios_: list[float], quick: bool = False) -> str:
+    """A bench JSON file whose rounds have ddpkit/torch ``ratios_``, torch's times varying from
+    round to round (as they do), so that rounds paired wrongly give other ratios."""
+    rng = random.Random(len(ratios_) + world_size)
+    torch_ = [0.05 + 0.1 * rng.random() for _ in ratios_]
+    ddpkit = [t * r for t, r in zip(torch_, ratios_)]
+    floor = [0.1] * len(ratios_)
     rows = [{"model": "m", "variant": v, "available": True, "times": t, "cpu_times": t}
             for v, t in (("local", floor), ("ddpkit", ddpkit), ("torch", torch_), ("floor", floor))]
-    path.write_text(json.dumps({"meta": {"world_size": world_size, "backend": "gloo", "device": "cpu"},
-                                "ddp_step": {"rows": rows}}))
+    meta = {"world_size": world_size, "backend": "gloo", "device": "cpu", "config": {"quick": quick, "steps": 3}}
+    path.write_text(json.dumps({"meta": meta, "ddp_step": {"rows": rows}}))
     return str(path)
 
 
-def test_pool_joins_the_rounds_of_runs_at_the_same_world_size(tmp_path, capsys):
+def test_pool_joins_the_rounds_of_runs_in_the_same_setting(tmp_path, capsys):
     rng = random.Random(1)
     runs = [[0.97 + 0.06 * rng.random() for _ in range(40)] for _ in range(3)]  # each straddles 1
-    files = [_run_file(tmp_path / f"run{i}.json", 2, r, [1.0] * 40) for i, r in enumerate(runs)]
-    files.append(_run_file(tmp_path / "other.json", 3, [0.9] * 10, [1.0] * 10))
+    files = [_run_file(tmp_path / f"run{i}.json", 2, r) for i, r in enumerate(runs)]
+    files.append(_run_file(tmp_path / "other.json", 3, [0.9] * 10))
     assert main(["--pool", *files]) == 0
     out = capsys.readouterr().out
-    assert "3 runs pooled (2 ranks, gloo, cpu)" in out and "1 run (3 ranks, gloo, cpu)" in out
+    assert "3 runs pooled (2 ranks, gloo, cpu, 3 steps per repeat)" in out
+    assert "1 run (3 ranks, gloo, cpu, 3 steps per repeat)" in out
     line = next(x for x in out.splitlines() if x.startswith("m ") and "ddpkit/torch" in x and " 120 " in x)
     pooled = median([x for r in runs for x in r])
     low, high = median_interval([x for r in runs for x in r])
-    assert f"{pooled:.3f}" in line and f"{low:.3f}-{high:.3f}" in line
-    assert " ".join(f"{median(r):.3f}" for r in runs) in line
+    assert line.split()[3:5] == [f"{pooled:.3f}", f"{low:.3f}-{high:.3f}"]
+    assert line.endswith(" ".join(f"{median(r):.3f}" for r in runs))
     assert ("within noise" in line) == (low <= 1 <= high)
     three = next(x for x in out.splitlines() if x.startswith("m ") and "ddpkit/torch" in x and " 10 " in x)
     assert "ddpkit faster" in three
     assert main([f"--pool={files[-1]}"]) == 0  # argparse's other spelling runs nothing either
     assert "1 run (3 ranks" in capsys.readouterr().out
+
+
+def test_pool_keeps_quick_runs_apart_and_gives_no_verdict_on_too_few_rounds(tmp_path, capsys):
+    # a --quick run trains smaller models in 3 rounds: pooled with full runs it would mix two things
+    full = _run_file(tmp_path / "full.json", 2, [0.99] * 40)
+    quick = _run_file(tmp_path / "quick.json", 2, [0.99] * 3, quick=True)
+    assert main(["--pool", full, quick]) == 0
+    out = capsys.readouterr().out
+    assert "1 run (2 ranks, gloo, cpu, 3 steps per repeat)" in out
+    assert "1 run (2 ranks, gloo, cpu, 3 steps per repeat, quick)" in out
+    three = next(x for x in out.splitlines() if x.startswith("m ") and "ddpkit/torch" in x and " 3 " in x)
+    assert three.split()[3:] == ["0.990", "-", "too", "few", "rounds", "0.990"]
 
 
 @pytest.mark.parametrize("content, message", [

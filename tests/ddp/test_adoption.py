@@ -57,7 +57,12 @@ def _train(kind: str, scenario: str, rank: int) -> dict:
         # (under join, where the divisor is known only at launch, it is copied in at the launch)
         for p in params:
             p.grad = torch.zeros_like(p)
-        params[2].register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad * 2))
+        calls = []  # by_none: at the second step only, once the first step left the gradient in its slot
+
+        def replace(p: nn.Parameter) -> None:
+            calls.append(1)
+            p.grad = (None if len(calls) == 2 else p.grad) if scenario.endswith("by_none") else p.grad * 2
+        params[2].register_post_accumulate_grad_hook(replace)
     if scenario in ("own_tensors", "non_contiguous"):
         for p in params:
             # non_contiguous: column-major weights' gradients, each its own memory (not a view)
@@ -108,7 +113,7 @@ def _train(kind: str, scenario: str, rank: int) -> dict:
 
 
 SCENARIOS = ("kept", "kept_view", "kept_detached", "own_tensors", "non_contiguous", "views_of_own_buffer",
-             "replaced_in_backward", "replaced_in_backward_join")
+             "replaced_in_backward", "replaced_in_backward_join", "replaced_in_backward_by_none")
 
 
 def _worker() -> dict:
