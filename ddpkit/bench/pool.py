@@ -17,6 +17,7 @@ from ddpkit.bench.report import Table
 
 __all__ = ["BenchFileError", "load_ddp_rounds", "pool_runs", "pool_tables"]
 
+
 class BenchFileError(ValueError):
     """A file given to ``--pool`` that holds no DDP step rounds: it names the file and what is missing."""
 
