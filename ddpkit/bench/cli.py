@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the bench; returns 0 when every rank finished, 1 otherwise (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if _build_parser().parse_args(argv).pool:  # (--pool=FILE and --poo FILE too)
-            return _pool(argv)
+        pool = _build_parser().parse_args(argv).pool  # (--pool=FILE and --poo FILE too)
+        if pool:
+            return _pool(pool)
         configs = parse_all(argv)
     except SystemExit as e:
         return int(e.code or 0)
@@ -187,14 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     return worst
 
 
-def _pool(argv: list[str]) -> int:
+def _pool(paths: list[str]) -> int:
     """``--pool``: print the pooled tables of earlier runs; 2 for a file that holds none."""
     from ddpkit.bench.pool import BenchFileError, pool_tables
 
-    parser = _build_parser()
-    args = parser.parse_args(argv)
     try:
-        tables = pool_tables(args.pool)
+        tables = pool_tables(paths)
     except BenchFileError as e:
         print(f"ddpkit bench: {e}", file=sys.stderr)
         return 2
