@@ -141,8 +141,6 @@ class BucketLayout:
         # a big gradient is scaled into its slot by its own hook, while still in cache; with
         # gradient_as_bucket_view it is there already, or moves there. See Note [Big gradients]
         self.big_slot: list[torch.Tensor | None] = [None] * len(params)
-        # parameter index -> (bucket, position) of a slot a gradient from an earlier step still holds
-        self.held_slots: dict[int, tuple[Bucket, int]] = {}
         if self.as_view:  # gradients that exist move into the buckets, as torch does
             with torch.no_grad():
                 for b in self.buckets:
@@ -170,16 +168,11 @@ class BucketLayout:
 
     def reclaim(self) -> None:
         """Before a backward writes into the buckets: one whose slot a kept gradient still holds
-        gets new memory, and its big parameters' slots move with it. The slots that stay held (by
-        their parameters' ``.grad``, zeroed in place) are noted in ``held_slots``."""
-        held = {}
+        gets new memory, and its big parameters' slots move with it."""
         for bucket in self.buckets:
-            if isinstance(bucket, Bucket) and bucket.adopted:
-                if reclaim(bucket):
-                    for i, view in zip(bucket.param_indices[: bucket.num_big], bucket.views):
-                        self.big_slot[i] = view
-                held.update((bucket.param_indices[k], (bucket, k)) for k, _ in bucket.adopted)
-        self.held_slots = held
+            if isinstance(bucket, Bucket) and bucket.adopted and reclaim(bucket):
+                for i, view in zip(bucket.param_indices[: bucket.num_big], bucket.views):
+                    self.big_slot[i] = view
 
     def release(self) -> None:
         """Let go of the gradients written back, and of a hook's stand-in buffer (``set_buffer``,

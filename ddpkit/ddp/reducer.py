@@ -206,9 +206,9 @@ class Reducer:
                 move_in(self.params[index], grad, slot, scale)
                 it.copied[index] = scale is not None
             elif grad is not None:
-                held = self.layout.held_slots
-                if held and index in held and grad.data_ptr() != slot.data_ptr():
-                    adoption.let_go_of_replaced(*held[index], grad)
+                bucket = self.layout.buckets[it.bucket_of[index]]  # an ordinary one: it has slots
+                if bucket.adopted and grad.data_ptr() != slot.data_ptr():  # set_to_none=False, replaced
+                    adoption.let_go_of_replaced(bucket, bucket.param_indices.index(index), grad)
                 copy_in(grad, slot, it.scale if self.collectives.comm_hook is None else None)
                 it.copied[index] = True
         record = it.record
