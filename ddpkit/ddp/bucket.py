@@ -14,7 +14,7 @@ from ddpkit.ddp.adoption import adopt_slots, let_go_of_replaced_at_fill, storage
 from ddpkit.errors import CommHookError, explain
 
 __all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
-           "BIG_PARAM_NUMEL"]
+           "BIG_PARAM_NUMEL", "is_big"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
@@ -24,6 +24,13 @@ BIG_PARAM_NUMEL = 16384
 memory), by its own hook as soon as it is ready; smaller ones are copied with one
 ``torch._foreach_copy_`` and scaled with one ``mul_`` over their shared region, since per-call
 overhead would dominate; see Note [Big gradients] in docs/design.md."""
+
+
+def is_big(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient goes into its slot by its own hook: a CPU one of ``BIG_PARAM_NUMEL``
+    elements or more. On a GPU each such copy would be a kernel launch on backward's thread, which
+    holds back the next one; there every gradient waits for its bucket's one ``_foreach_copy_``."""
+    return param.device.type == "cpu" and param.numel() >= BIG_PARAM_NUMEL
 
 
 def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
@@ -149,14 +156,14 @@ class Bucket(GradBucketBasics):
         self._index = index
         self._is_last = is_last
         # big tensors first: the small ones then share one region, scaled with a single mul_
-        layout = sorted(range(len(params)), key=lambda k: params[k].numel() < BIG_PARAM_NUMEL)
+        layout = sorted(range(len(params)), key=lambda k: not is_big(params[k]))
         # a comm hook sees the parameters in the order given (torch's), whatever the layout
         self._given_order = sorted(range(len(params)), key=lambda pos: layout[pos])
         self.params = [params[k] for k in layout]
         self.param_indices = [param_indices[k] for k in layout]
         self.numel = sum(p.numel() for p in self.params)
         self.extra = extra
-        self.num_big = sum(p.numel() >= BIG_PARAM_NUMEL for p in self.params)
+        self.num_big = sum(map(is_big, self.params))
         # big gradients left in their slots after an iteration: (position, weakref to the gradient)
         self.adopted: list[tuple[int, Any]] = []
         self.retired: list[Any] = []  # their old memory, until the next forward (Note [Averages in their slots])

@@ -25,7 +25,7 @@ from ddpkit.ddp.autograd_engine import (
     outside_backward_python_context,
     queue_end_of_backward_callback,
 )
-from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, Bucket, copy_in, move_in
+from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
 from ddpkit.ddp.cpu_share import own_cpu_cap
@@ -74,7 +74,7 @@ class Reducer:
         # big CPU gradients keep their averages in their slots, where no used map may leave one alone
         self.adopt = (adopt and adoption.AVAILABLE and not (gradient_as_bucket_view or find_unused_parameters)
                       and all(p.device.type == "cpu" for p in self.params))
-        self._big = [p.numel() >= BIG_PARAM_NUMEL for p in self.params]  # scaled by their own hooks
+        self._big = [is_big(p) for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch

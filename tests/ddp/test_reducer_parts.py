@@ -207,6 +207,20 @@ def test_a_big_gradient_gets_a_slot_in_its_bucket_and_with_bucket_views_every_gr
     assert [viewed.big_slot[i] for i in bucket.param_indices] == bucket.views
 
 
+def test_off_the_cpu_no_gradient_is_big_and_the_bucket_keeps_the_order_given():
+    """On a GPU every gradient waits for its bucket's one copy: a slot copied by each hook would be
+    a kernel launch on backward's thread (Note [Big gradients]). "meta" stands in for the device."""
+    sizes = (3, BIG_PARAM_NUMEL, 5, BIG_PARAM_NUMEL + 1)
+    params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in sizes]
+    layout = BucketLayout(params, 1 << 20, 1 << 20, as_view=False, rebuild=True)
+    bucket = layout.buckets[0]
+    assert bucket.num_big == 0 and layout.big_slot == [None] * 4
+    assert [id(p) for p in bucket.params] == [id(p) for p in params]  # the order given: no big ones first
+    assert bucket.small_region.numel() == sum(sizes)
+    on_cpu = _layout(*sizes, cap=1 << 20).buckets[0]
+    assert on_cpu.num_big == 2 and [p.numel() for p in on_cpu.params[:2]] == [BIG_PARAM_NUMEL, BIG_PARAM_NUMEL + 1]
+
+
 def test_with_bucket_views_a_fresh_gradient_becomes_its_view_and_is_freed_at_once():
     import weakref
 
