@@ -4,8 +4,9 @@
 ``outputs`` walks what its forward returns, ``state_sync`` copies rank 0's parameters and buffers.
 The reducer averages gradients during backward: ``reducer`` coordinates (the gradient hook and the
 one wait point), ``iteration`` holds one iteration's state, ``usage`` accounts for unused parameters
-and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook, and
-``bucket_layout`` decides which parameters share a ``bucket``. ``join`` lets ranks out of data
+and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook, ``bucket_groups``
+decides which parameters share a ``bucket`` and ``bucket_layout`` holds the buckets and rebuilds
+them. ``join`` lets ranks out of data
 shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
 ``autograd_engine`` holds the private autograd calls, each with its reason. ``checkpoint_keys``
 gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here;

@@ -13,8 +13,8 @@ import torch
 from ddpkit.ddp.adoption import adopt_slots, let_go_of_replaced_at_fill, storage_refs
 from ddpkit.errors import CommHookError, explain
 
-__all__ = ["Bucket", "GradBucketBasics", "assign_buckets", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
-           "BIG_PARAM_NUMEL", "is_big"]
+__all__ = ["Bucket", "GradBucketBasics", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL",
+           "is_big"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
@@ -31,57 +31,6 @@ def is_big(param: torch.Tensor) -> bool:
     elements or more. On a GPU each such copy would be a kernel launch on backward's thread, which
     holds back the next one; there every gradient waits for its bucket's one ``_foreach_copy_``."""
     return param.device.type == "cpu" and param.numel() >= BIG_PARAM_NUMEL
-
-
-def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int,
-                   first_cap_bytes: int | None = None, caps: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   in_closing_order: bool = False, as_torch_rebuilds: bool = False) -> list[list[int]]:
-    """Group parameter indices into buckets of at most ``cap_bytes``, per device and dtype.
-
-    Indices are taken in ``order`` (the order in which gradients are expected to become ready) and
-    a bucket closes once it reaches its limit, so a tensor larger than the limit gets a bucket of
-    its own. The first bucket of each device and dtype closes at ``first_cap_bytes`` instead
-    (torch's small first bucket: the first all-reduce starts early). ``caps`` (torch's
-    ``bucket_cap_mb_list``), when given, replaces both: the k-th bucket of each device and dtype
-    closes at ``caps[k]``, the last cap repeating. Buckets are returned in the order in which they
-    are expected to fill.
-
-    ``sparse[i]``: parameter ``i`` gets sparse gradients, so a bucket of its own, whatever its size
-    (torch's ``expect_sparse_gradient``). ``in_closing_order``: the buckets in the order they closed,
-    those left open last, as torch orders its rebuilt buckets (where a sparse one closes at once).
-    ``as_torch_rebuilds``: in closing order, and those left open (one per device and dtype) in the
-    reverse of the order their device and dtype first came, as torch's rebuild lists them (its
-    unordered_map, read back; tested against ``dist._compute_bucket_assignment_by_size``).
-    """
-    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
-    limits = list(caps) or [first_cap_bytes, cap_bytes]
-    position = {index: pos for pos, index in enumerate(order)}
-    open_buckets: dict[tuple, tuple[list[int], int]] = {}  # (device, dtype) -> (indices, bytes)
-    closed: dict[tuple, int] = {}  # (device, dtype) -> buckets closed so far
-    buckets: list[list[int]] = []
-    first_seen: dict[tuple, None] = {}
-    for index in order:
-        if sparse and sparse[index]:
-            buckets.append([index])
-            continue
-        p = params[index]
-        key = (p.device, p.dtype)
-        first_seen.setdefault(key)
-        indices, size = open_buckets.pop(key, ([], 0))
-        indices.append(index)
-        size += p.numel() * p.element_size()
-        done = closed.get(key, 0)
-        if size >= limits[min(done, len(limits) - 1)]:
-            buckets.append(indices)
-            closed[key] = done + 1
-        else:
-            open_buckets[key] = (indices, size)
-    if as_torch_rebuilds:
-        return buckets + [open_buckets[key][0] for key in reversed(first_seen) if key in open_buckets]
-    buckets.extend(indices for indices, _ in open_buckets.values())
-    if not in_closing_order:
-        buckets.sort(key=lambda indices: position[indices[0]])
-    return buckets
 
 
 def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None:

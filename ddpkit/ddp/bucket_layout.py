@@ -1,25 +1,22 @@
-"""Which parameters share a bucket, before and after the rebuild: torch's rules, and ddpkit's
-one departure from them (full buckets on CPU), which a comm hook never sees.
-
-``BucketLayout`` holds a reducer's buckets and rebuilds them once in rank 0's gradient-ready order.
-The group functions return parameter indices in launch order; ``assign_buckets`` does the packing.
+"""A reducer's buckets: built from the groups of ``bucket_groups``, rebuilt once in rank 0's
+gradient-ready order, and where each parameter's gradient goes (its bucket, its slot).
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.adoption import reclaim
-from ddpkit.ddp.bucket import Bucket, assign_buckets
+from ddpkit.ddp.bucket import Bucket
+from ddpkit.ddp.bucket_groups import initial_groups, rebuilt_groups
 from ddpkit.ddp.inplace_bucket import InPlaceBucket
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.ddp.sparse_bucket import SparseBucket
 from ddpkit.runtime.comm import comm_device
 
-__all__ = ["BucketLayout", "initial_groups", "rebuilt_groups"]
+__all__ = ["BucketLayout"]
 
 
 class BucketLayout:
@@ -182,66 +179,3 @@ class BucketLayout:
         for bucket in self.buckets:
             bucket.grads = []
             bucket.restore_buffer()
-
-
-def initial_groups(params: Sequence[torch.Tensor], cap: int, first_cap: int, *, hooked: bool,
-                   rebuilt_later: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   alone: Sequence[bool] = (), own_cap: int | None = None) -> list[list[int]]:
-    """The buckets before the rebuild, each listing its parameters in registration order.
-
-    Without a comm hook: filled in reverse registration order (the expected order of gradients),
-    so the first backward overlaps too. With one, torch's, which a hook acting on whole buckets
-    must see: one bucket per device and dtype until the rebuild, or, when no rebuild comes
-    (find_unused_parameters), groups formed in registration order and launched last first.
-    With ``cap_list`` (torch's ``bucket_cap_mb_list``), torch's own always: those caps in
-    registration order, launched last first. ``sparse``: see ``assign_buckets``. ``alone[i]``:
-    parameter ``i`` is reduced in place, so a bucket of its own, and the buckets go in the order
-    they close (see ``_alone``); only without a hook. ``own_cap``: see ``BucketLayout``.
-    """
-    registration = list(range(len(params)))
-    if cap_list:
-        return assign_buckets(params, registration, cap, caps=cap_list, sparse=sparse)[::-1]
-    if not hooked:
-        groups = assign_buckets(params, registration[::-1], *_caps(params, cap, first_cap, hooked, own_cap),
-                                sparse=_alone(sparse, alone), in_closing_order=any(alone))
-        return [sorted(indices) for indices in groups]
-    if rebuilt_later:
-        return assign_buckets(params, registration, sys.maxsize, sys.maxsize, sparse=sparse)[::-1]
-    return assign_buckets(params, registration, cap, first_cap, sparse=sparse)[::-1]
-
-
-def rebuilt_groups(params: Sequence[torch.Tensor], order: Sequence[int], cap: int, first_cap: int,
-                   *, hooked: bool, cap_list: Sequence[int] = (), sparse: Sequence[bool] = (),
-                   alone: Sequence[bool] = (), own_cap: int | None = None) -> list[list[int]]:
-    """The buckets after the rebuild, filled in ``order`` (the order gradients arrived in); with
-    ``cap_list``, the k-th bucket closes at its k-th cap, as torch rebuilds. With sparse gradients,
-    in torch's rebuilt order: a sparse bucket goes where its gradient arrived, before a bucket
-    still filling; ``hooked``: in torch's order, which a comm hook sees through ``bucket.index()``
-    and ``is_last()``, with several dtypes too. ``alone``, ``own_cap``: see ``initial_groups``."""
-    return assign_buckets(params, order, *_caps(params, cap, first_cap, hooked, own_cap), caps=cap_list,
-                          sparse=_alone(sparse, alone), in_closing_order=any(sparse) or any(alone),
-                          as_torch_rebuilds=hooked)
-
-
-def _alone(sparse: Sequence[bool], in_place: Sequence[bool]) -> Sequence[bool]:
-    """Which parameters get a bucket of their own. A gradient reduced in place is launched as soon
-    as it is ready, so the buckets go in the order they close: one of them sorted by its first
-    parameter would hold back the in-place ones that arrive before it fills."""
-    if not in_place:
-        return sparse
-    return [bool(sparse and sparse[i]) or own for i, own in enumerate(in_place)]
-
-
-def _caps(params: Sequence[torch.Tensor], cap: int, first_cap: int, hooked: bool,
-          own_cap: int | None) -> tuple[int, int]:
-    """(cap, first cap): torch's, with its small first bucket, except on CPU without a comm hook.
-
-    On CPU, Gloo runs the all-reduce on threads that share the cores backward is using: a bucket
-    launched during backward preempts it, which the 1 MiB it overlaps does not pay back. So every
-    CPU bucket holds up to ``own_cap`` (the cap, or less where Gloo has cores of its own: see
-    ``cpu_share``); models above it still overlap. See Note [Bucket layout on CPU] in docs/design.md.
-    """
-    if params[0].device.type == "cpu" and not hooked:
-        own = cap if own_cap is None else own_cap
-        return own, own
-    return cap, first_cap

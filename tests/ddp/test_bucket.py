@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.arguments import bucket_caps as _bucket_caps
-from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, assign_buckets
-from ddpkit.ddp.bucket_layout import initial_groups, rebuilt_groups
+from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket
+from ddpkit.ddp.bucket_groups import assign_buckets, initial_groups, rebuilt_groups
 from ddpkit.ddp.distributed import DistributedDataParallel
 
 

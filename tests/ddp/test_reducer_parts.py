@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, Bucket
-from ddpkit.ddp.bucket_layout import BucketLayout, initial_groups
+from ddpkit.ddp.bucket_groups import initial_groups
+from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.usage import ParameterUsage
 

@@ -15,8 +15,7 @@ from ranks import run_ranks
 from torch import nn
 
 from ddpkit.ddp.arguments import sparse_gradient_names
-from ddpkit.ddp.bucket import assign_buckets
-from ddpkit.ddp.bucket_layout import initial_groups, rebuilt_groups
+from ddpkit.ddp.bucket_groups import assign_buckets, initial_groups, rebuilt_groups
 from ddpkit.ddp.sparse_bucket import SparseBucket, empty_sparse_like
 
 
