@@ -70,8 +70,8 @@ def test_nccl_world_of_one_collectives_and_ddp_match_torch():
 
 
 class _Net(torch.nn.Module):
-    """A big layer (its gradient is scaled into its bucket by its own hook), a BatchNorm buffer, small
-    layers, and a branch only some ranks use."""
+    """A big layer (on the GPU copied into its bucket at the launch with the small ones, see
+    ``is_big``), a BatchNorm buffer, small layers, and a branch only some ranks use."""
 
     def __init__(self):
         super().__init__()

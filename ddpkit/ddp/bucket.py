@@ -20,8 +20,8 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
 
 BIG_PARAM_NUMEL = 16384
-"""From this size on a gradient is scaled into its slot with one ``torch.mul(out=)`` (one pass over
-memory), by its own hook as soon as it is ready; smaller ones are copied with one
+"""From this size on a CPU gradient (``is_big``) is scaled into its slot with one ``torch.mul(out=)``
+(one pass over memory), by its own hook as soon as it is ready; smaller ones are copied with one
 ``torch._foreach_copy_`` and scaled with one ``mul_`` over their shared region, since per-call
 overhead would dominate; see Note [Big gradients] in docs/design.md."""
 
@@ -29,7 +29,8 @@ overhead would dominate; see Note [Big gradients] in docs/design.md."""
 def is_big(param: torch.Tensor) -> bool:
     """Whether ``param``'s gradient goes into its slot by its own hook: a CPU one of ``BIG_PARAM_NUMEL``
     elements or more. On a GPU each such copy would be a kernel launch on backward's thread, which
-    holds back the next one; there every gradient waits for its bucket's one ``_foreach_copy_``."""
+    holds back the next one; there every gradient waits for its bucket's one ``_foreach_copy_`` (with
+    ``gradient_as_bucket_view``, a fresh one still moves into its view by its hook, as in torch)."""
     return param.device.type == "cpu" and param.numel() >= BIG_PARAM_NUMEL
 
 
