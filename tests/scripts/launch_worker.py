@@ -3,7 +3,8 @@
     python tests/scripts/launch_worker.py OUT_DIR MODE [ARGS...]
 
 Every rank first writes ``OUT_DIR/pids_<rank>_<attempt>.json`` ({"pid": ..., "child": ..., "daemon": ...})
-so the test knows every process of the job. Modes:
+so the test knows every process of the job; a rank told to fail or die first waits for every rank's
+file, so none is stopped before it is known. Modes:
 
 - ``allreduce``: ddpkit.init(backend="gloo"), all-reduce rank + 1, write
   ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables and this
@@ -28,12 +29,14 @@ Only ``allreduce`` and ``mismatch`` import torch, so the other modes start in a 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
@@ -67,6 +70,15 @@ def _block() -> None:
     threading.Event().wait()
 
 
+def _wait_for_every_rank(out: str, attempt: str) -> None:
+    """Hold a failing rank until every rank has its pid file: the test checks all of them are gone."""
+    world, deadline = int(os.environ["WORLD_SIZE"]), time.monotonic() + 30
+    while len(glob.glob(os.path.join(out, f"pids_*_{attempt}.json"))) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every one of the {world} ranks wrote its pid file within 30 s")
+        time.sleep(0.02)
+
+
 def main() -> None:
     out, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     rank, attempt = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -89,6 +101,8 @@ def main() -> None:
         child, daemon, mode = _grandchild(detached=True), _grandchild(detached=True, env={}), "block"
     _record(out, rank, attempt, child, daemon)
     print(f"rank {rank} started", flush=True)
+    if mode in ("fail", "sigkill", "fail-once") and rank == target and attempt == "0":
+        _wait_for_every_rank(out, attempt)
 
     if mode == "allreduce":
         import torch
