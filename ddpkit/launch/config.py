@@ -76,7 +76,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         return environ.get(f"PET_{dest.upper()}", default)
 
     def pet_flag(dest: str) -> bool:
-        return environ.get(f"PET_{dest.upper()}", "0") not in ("", "0")
+        name = f"PET_{dest.upper()}"
+        value = environ.get(name, "").strip()
+        try:  # torchrun's reading: an integer, 0 is off
+            return bool(int(value or "0"))
+        except ValueError:
+            raise ValueError(f"{name}={environ[name]!r} is not an integer: torchrun reads its on/off "
+                             f"variables as 0 or 1, so give {name}=1 (on) or {name}=0 (off).") from None
 
     p = argparse.ArgumentParser(
         prog="ddpkit run",
@@ -119,8 +125,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    help="seconds between SIGTERM and SIGKILL when stopping workers. Default 30.")
     p.add_argument(*_spellings("monitor-interval"), dest="monitor_interval", type=float, metavar="SECONDS",
                    default=pet("monitor_interval", 0.05), help="seconds between worker checks.")
-    p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", "none"), metavar="ID",
-                   help="job id, given to workers as TORCHELASTIC_RUN_ID.")
+    p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", None), metavar="ID",
+                   help="job id, given to workers as TORCHELASTIC_RUN_ID; default 'none' on several "
+                   "nodes, a fresh UUID on one (as torchrun's).")
     p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
                    default=pet("rdzv_backend", "static"),
                    help="'static' (torchrun's default); 'c10d' is accepted on a single node, where "
@@ -197,9 +204,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     for name in ("max_restarts",):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}.")
-    for name in ("rdzv_timeout", "node_timeout", "grace_period", "monitor_interval"):
+    for name, flag in (("rdzv_timeout", "--rdzv-timeout"), ("node_timeout", "--node-timeout"),
+                       ("grace_period", "--shutdown-timeout (--grace-period)"),
+                       ("monitor_interval", "--monitor-interval")):
         if float(getattr(args, name)) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}.")
+            raise ValueError(f"{flag} must be > 0, got {getattr(args, name)}.")
     if args.rdzv_endpoint:
         # torchrun's static rendezvous takes node 0's address from the endpoint when one is given
         host, _, port = str(args.rdzv_endpoint).strip().rpartition(":")
@@ -214,9 +223,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     if nnodes > 1 and master_port is None:  # under srun/mpirun, every node derives its job's port
         master_port = slurm_port(environ) or mpi_port(environ) or DEFAULT_MASTER_PORT
     master_addr = str(args.master_addr)
-    run_id = str(args.rdzv_id)
+    run_id = "none" if args.rdzv_id is None else str(args.rdzv_id)
     if args.standalone:
         master_addr, master_port, run_id = "127.0.0.1", None, str(uuid.uuid4())
+    elif nnodes == 1 and master_port is None and args.rdzv_id is None:
+        run_id = str(uuid.uuid4())  # torchrun's single node without a port: c10d on a fresh id
     return LaunchConfig(
         command=_worker_command(args), nproc_per_node=resolve_nproc_per_node(args.nproc_per_node),
         nnodes=nnodes, node_rank=int(args.node_rank), master_addr=master_addr, master_port=master_port,

@@ -11,6 +11,7 @@ unchanged, to ``DIR/attempt_<k>/rank_<r>.log``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -31,6 +32,15 @@ _NEWLINES = (b"\n", b"\r\n")
 
 def log_path(log_dir: str, attempt: int, rank: int) -> str:
     return os.path.join(log_dir, f"attempt_{attempt}", f"rank_{rank}.log")
+
+
+def error_file_path(base: str, attempt: int, rank: int) -> str:
+    """A fresh TORCHELASTIC_ERROR_FILE for the worker (its directory made, an old file removed)."""
+    path = os.path.join(base, f"attempt_{attempt}", f"rank_{rank}.error.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)  # left by an earlier job in the same --log-dir: not this worker's error
+    return path
 
 
 class _Console:

@@ -8,15 +8,17 @@ TORCHELASTIC_RESTART_COUNT one higher, so a script can resume from its last chec
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import psutil
 
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.logs import log_path, say
+from ddpkit.launch.logs import error_file_path, log_path, say
 from ddpkit.launch.node_rendezvous import NodeRendezvous
 from ddpkit.launch.rendezvous import Layout, LocalRendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
@@ -60,10 +62,13 @@ class Supervisor:
         # children we had before the job (e.g. when called in-process) are not ours to kill
         self._keep = {p.pid for p in psutil.Process().children()}
         self._watchdog: Watchdog | None = None
+        self._error_dir: str | None = None  # set by run()
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
             try:
+                # the workers' TORCHELASTIC_ERROR_FILEs: kept in --log-dir, else removed at the end
+                self._error_dir = self.config.log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
                 self._watchdog = Watchdog()
                 self._keep.add(self._watchdog.pid or 0)
                 layout = self.rendezvous.join(self._aborted)
@@ -81,6 +86,8 @@ class Supervisor:
                 self.rendezvous.close()
                 if self._watchdog is not None:
                     self._watchdog.close()
+                if self._error_dir is not None and self._error_dir != self.config.log_dir:
+                    shutil.rmtree(self._error_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------- attempt
     def run_attempt(self, attempt: int, layout: Layout) -> Outcome:
@@ -137,7 +144,8 @@ class Supervisor:
                               cfg.nproc_per_node, cfg.node_rank, layout.nnodes)
             env = worker_env(self.environ, place, master_addr=master_addr, master_port=master_port,
                              attempt=attempt, max_restarts=cfg.max_restarts, run_id=cfg.run_id,
-                             role=cfg.role, terminal=sys.stderr.isatty(), job_id=cfg.job_id)
+                             role=cfg.role, terminal=sys.stderr.isatty(), job_id=cfg.job_id,
+                             error_file=error_file_path(self._error_dir, attempt, place.rank))
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
             log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None

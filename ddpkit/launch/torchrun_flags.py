@@ -14,9 +14,10 @@ from typing import Callable
 
 from ddpkit.errors import explain
 
-__all__ = ["ConsoleFilter", "Streams", "add_torchrun_flags", "console_filter", "notes", "check_refused"]
+__all__ = ["ConsoleFilter", "HANDLED_SIGNALS", "Streams", "add_torchrun_flags", "console_filter", "notes",
+           "check_refused"]
 
-_HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default, and what ddpkit stops on
+HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default, and what ddpkit stops on
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def add_torchrun_flags(p: argparse.ArgumentParser, pet: Callable[[str, object], 
                    "files keep every rank's; a failing rank's traceback is still in the summary).")
     quiet = "accepted for torchrun compatibility; ddpkit run says in one line what it does instead."
     for name, default in (("numa-binding", None), ("logs-specs", None), ("event-log-handler", "null"),
-                          ("signals-to-handle", _HANDLED_SIGNALS), ("duplicate-stdout-filters", ""),
+                          ("signals-to-handle", HANDLED_SIGNALS), ("duplicate-stdout-filters", ""),
                           ("duplicate-stderr-filters", "")):
         dest = name.replace("-", "_")
         p.add_argument(*spellings(name), dest=dest, default=pet(dest, default), help=quiet)
@@ -127,8 +128,8 @@ def notes(args: argparse.Namespace) -> list[str]:
     if str(args.event_log_handler) != "null":
         said.append(f"--event-log-handler {args.event_log_handler} has no effect: ddpkit run records no "
                     "torchelastic events")
-    if _signal_set(args.signals_to_handle) != _signal_set(_HANDLED_SIGNALS):
-        said.append(f"--signals-to-handle {args.signals_to_handle} has no effect: {_HANDLED_SIGNALS} stop "
+    if _signal_set(args.signals_to_handle) != _signal_set(HANDLED_SIGNALS):
+        said.append(f"--signals-to-handle {args.signals_to_handle} has no effect: {HANDLED_SIGNALS} stop "
                     "the workers, and SIGUSR1/SIGUSR2 are passed on to them")
     for stream in ("stdout", "stderr"):
         if getattr(args, f"duplicate_{stream}_filters"):

@@ -16,6 +16,7 @@ import psutil
 
 from ddpkit.launch.logs import OutputPump
 from ddpkit.launch.signals import death_signal_preexec
+from ddpkit.launch.torchrun_flags import HANDLED_SIGNALS
 from ddpkit.logging import TERMINAL_VARIABLE
 from ddpkit.runtime.environments.threads import available_cores
 
@@ -37,7 +38,7 @@ class Placement:
 
 def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, master_port: int,
                attempt: int, max_restarts: int, run_id: str, role: str = "default",
-               terminal: bool = False, job_id: str | None = None) -> dict[str, str]:
+               terminal: bool = False, job_id: str | None = None, error_file: str = "") -> dict[str, str]:
     """torchrun's worker variables plus ``DDPKIT_LAUNCHER=ddpkit``, on top of ``base``.
 
     OMP_NUM_THREADS defaults to this process's cores shared out between the local workers, unless
@@ -45,6 +46,7 @@ def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, m
     ``terminal``: the launcher's stderr is a terminal; a worker's is a pipe to it, so it is told
     through ``DDPKIT_TERMINAL=1`` that what it writes there reaches one (ddpkit's progress line).
     ``job_id``: the launcher's job, which its workers name in the rendezvous (``DDPKIT_JOB_ID``).
+    ``error_file``: where torch's ``@record`` writes the worker's exception (TORCHELASTIC_ERROR_FILE).
     """
     env = dict(base)
     env.update({
@@ -55,6 +57,7 @@ def worker_env(base: Mapping[str, str], place: Placement, *, master_addr: str, m
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": error_file, "TORCHELASTIC_SIGNALS_TO_HANDLE": HANDLED_SIGNALS,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "DDPKIT_LAUNCHER": "ddpkit", "PYTHONUNBUFFERED": "1",
     })

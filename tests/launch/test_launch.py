@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -176,7 +177,10 @@ def test_two_workers_all_reduce_with_torchrun_variables(job, tmp_path):
             "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_USE_AGENT_STORE": "True", "DDPKIT_LAUNCHER": "ddpkit",
+            "TORCHELASTIC_ERROR_FILE": str(logs / "attempt_0" / f"rank_{rank}.error.json"),
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             "OMP_NUM_THREADS": str(max(1, cores // 2)), "PYTHONUNBUFFERED": "1"}
+        uuid.UUID(env["TORCHELASTIC_RUN_ID"])  # one node, no port given: a fresh id, as torchrun's
     assert "[rank0]: sum 3.0" in out.splitlines() and "[rank1]: sum 3.0" in out.splitlines()
     assert (logs / "attempt_0" / "rank_1.log").read_text().splitlines()[0] == "rank 1 started"
     assert_all_gone(job.pids())
@@ -256,7 +260,44 @@ def test_ddpkit_script_runs_under_torchrun(job, tmp_path):
     assert_all_gone(job.pids())
 
 
+@pytest.mark.timeout(90)
+def test_workers_see_the_variables_torchrun_sets_with_its_values(job, tmp_path):
+    seen = {}
+    for name, command in (("torchrun", ("-m", "torch.distributed.run")), ("ddpkit", ("-m", "ddpkit", "run"))):
+        out = tmp_path / name
+        out.mkdir()
+        code, _, err = job.run("--nproc-per-node", "2", "--max-restarts", "1", WORKER, str(out), "allreduce",
+                               command=command)
+        assert code == 0, err
+        seen[name] = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in out.glob("result_*.json")}
+    # the values a launcher picks for itself: a free port, a fresh id, its own files, its address spelling
+    own = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS")
+    for rank in (0, 1):
+        torchrun, ddpkit_run = seen["torchrun"][rank], seen["ddpkit"][rank]
+        assert torchrun["names"] == ddpkit_run["names"]
+        assert {k: v for k, v in torchrun["env"].items() if k not in own and k != "DDPKIT_LAUNCHER"} == {
+            k: v for k, v in ddpkit_run["env"].items() if k not in own and k != "DDPKIT_LAUNCHER"}
+        for result in (torchrun, ddpkit_run):
+            uuid.UUID(result["env"]["TORCHELASTIC_RUN_ID"])
+            assert result["env"]["TORCHELASTIC_ERROR_FILE"].endswith(".json")
+
+
 # ------------------------------------------------------------------------------------------ failure
+
+
+@pytest.mark.timeout(60)
+def test_record_writes_the_error_file_kept_in_the_log_dir_else_removed(job, tmp_path):
+    logs = tmp_path / "logs"
+    for log_args in (("--log-dir", str(logs)), ()):
+        code, _, err = job.run("--nproc-per-node", "2", *log_args, WORKER, str(tmp_path), "record-fail", "1")
+        assert code == 1, err
+        assert "ValueError: recorded on rank 1" in err[err.index("the job failed"):]
+        path = Path((tmp_path / "error_file_1").read_text())
+        if log_args:
+            assert path == logs / "attempt_0" / "rank_1.error.json"
+            assert "recorded on rank 1" in json.loads(path.read_text())["message"]["message"]
+        else:
+            assert not path.parent.parent.exists()  # the launcher's own directory, gone with it
 
 
 @pytest.mark.timeout(60)

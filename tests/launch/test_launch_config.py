@@ -5,6 +5,7 @@ import io
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,27 @@ def test_pet_variables_set_defaults_as_in_torchrun():
                                            "PET_MASTER_ADDR": "head", "PET_NPROC_PER_NODE": "4"})
     assert (config.nnodes, config.node_rank, config.master_addr, config.nproc_per_node) == (3, 2, "head", 4)
     assert parse_args(["--nnodes", "1", "t.py"], environ={"PET_NNODES": "3"}).nnodes == 1
+
+
+def test_pet_on_off_variables_are_read_as_torchrun_reads_them():
+    assert parse_args(["t.py"], environ={"PET_MODULE": "1"}).command[1:3] == ("-u", "-m")
+    assert parse_args(["t.py"], environ={"PET_MODULE": "0"}).command[1:3] == ("-u", "t.py")
+    assert parse_args(["t.py"], environ={"PET_STANDALONE": ""}).run_id != "none"  # unset, as in torchrun
+    with pytest.raises(ValueError, match=r"PET_NO_PYTHON='false' is not an integer.*PET_NO_PYTHON=0"):
+        parse_args(["t.py"], environ={"PET_NO_PYTHON": "false"})
+
+
+def test_the_run_id_is_fresh_on_one_node_without_a_port_as_in_torchrun():
+    first, second = (parse_args(["t.py"], environ={}).run_id for _ in range(2))
+    assert first != second and uuid.UUID(first)
+    assert parse_args(["--rdzv-id", "job7", "t.py"], environ={}).run_id == "job7"  # named: kept
+    assert parse_args(["--master-port", "5", "t.py"], environ={}).run_id == "none"  # torchrun's static default
+    assert parse_args(["--nnodes", "2", "t.py"], environ={}).run_id == "none"
+
+
+def test_a_bad_shutdown_timeout_is_named_by_torchruns_flag():
+    with pytest.raises(ValueError, match=r"--shutdown-timeout \(--grace-period\) must be > 0, got 0.0"):
+        parse_args(["--shutdown-timeout", "0", "t.py"], environ={})
 
 
 def test_other_rendezvous_backends_are_refused_with_a_hint():

@@ -7,10 +7,12 @@ so the test knows every process of the job; a rank told to fail or die first wai
 file, so none is stopped before it is known. Modes:
 
 - ``allreduce``: ddpkit.init(backend="gloo"), all-reduce rank + 1, write
-  ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables and this
-  script's arguments.
+  ``OUT_DIR/result_<rank>.json`` with the sum, the detected launcher, the torchrun variables, the
+  names of every variable a launcher may set, and this script's arguments.
 - ``fail RANK``: RANK starts a grandchild (a sleeping python), then raises ValueError from a
   KeyError; others block.
+- ``record-fail RANK``: RANK writes its TORCHELASTIC_ERROR_FILE's path to ``OUT_DIR/error_file_<rank>``,
+  then raises ValueError from a function decorated with torch's ``@record``; others succeed.
 - ``sigkill RANK``: RANK kills itself with SIGKILL; others block.
 - ``block``: start a grandchild and block until killed; SIGUSR1 writes ``OUT_DIR/usr1_<rank>``.
 - ``fail-once RANK``: on attempt 0 RANK raises; on later attempts every rank writes its result and exits.
@@ -25,7 +27,7 @@ file, so none is stopped before it is known. Modes:
 - ``sigint``: count the SIGINTs this process gets in ``OUT_DIR/sigint_<rank>``; after the first, a
   cleanup of up to 2 s that a second one would interrupt, then exit 130.
 
-Only ``allreduce`` and ``mismatch`` import torch, so the other modes start in a fraction of a second.
+Only ``allreduce``, ``mismatch`` and ``record-fail`` import torch, so the other modes start in a fraction of a second.
 """
 from __future__ import annotations
 
@@ -41,7 +43,11 @@ import time
 VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
              "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-             "TORCHELASTIC_USE_AGENT_STORE", "DDPKIT_LAUNCHER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+             "DDPKIT_LAUNCHER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+# what a launcher may set for its workers: the names ``allreduce`` lists, to compare two launchers
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+LAUNCHER_PREFIXES = ("LOCAL_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_", "TORCH_NCCL_")
 
 
 def _write(path: str, data: dict) -> None:
@@ -113,7 +119,8 @@ def main() -> None:
         total = torch.tensor([float(rank + 1)])
         ddpkit.all_reduce(total)
         result = {"sum": total.item(), "launcher": env.launcher, "args": args,
-                  "env": {name: os.environ.get(name) for name in VARIABLES}}
+                  "env": {name: os.environ.get(name) for name in VARIABLES},
+                  "names": sorted(k for k in os.environ if k in LAUNCHER_NAMES or k.startswith(LAUNCHER_PREFIXES))}
         _write(os.path.join(out, f"result_{rank}.json"), result)
         print(f"sum {total.item()}", flush=True)
         ddpkit.shutdown()
@@ -140,6 +147,17 @@ def main() -> None:
             {}["root cause"]
         except KeyError as e:
             raise ValueError(f"boom on rank {rank}") from e
+    elif mode == "record-fail" and rank == target:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        with open(os.path.join(out, f"error_file_{rank}"), "w") as f:
+            f.write(os.environ["TORCHELASTIC_ERROR_FILE"])
+
+        @record
+        def fail() -> None:
+            raise ValueError(f"recorded on rank {rank}")
+
+        fail()
     elif mode == "sigkill" and rank == target:
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "fail-once":
@@ -152,7 +170,7 @@ def main() -> None:
         sigints[0].wait()
         sigints[1].wait(2.0)  # the cleanup of an `except KeyboardInterrupt:` a second one would cut short
         sys.exit(130)
-    elif mode != "succeed":
+    elif mode not in ("succeed", "record-fail"):
         _block()
 
 
