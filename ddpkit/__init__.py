@@ -30,6 +30,7 @@ from ddpkit.errors import (
     NotInitializedError,
     RanksDisagreeError,
     RendezvousError,
+    ReplicaCountError,
     SecondGradientError,
     StateDictMismatchError,
     StaticGraphChangedError,
@@ -72,7 +73,7 @@ __all__ = [
     "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
     "LauncherVariableError",
     "NotAModuleError", "NotInitializedError",
-    "RanksDisagreeError", "RendezvousError", "SecondGradientError", "StateDictMismatchError",
+    "RanksDisagreeError", "RendezvousError", "ReplicaCountError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",
 ]
 

@@ -14,7 +14,8 @@ from typing import Any
 
 __all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
            "DenseGradientError", "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
-           "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError"]
+           "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError",
+           "ReplicaCountError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -119,6 +120,17 @@ class RanksDisagreeError(_Facts, RuntimeError):
     def __init__(self, message: str, *, rank: int, differing_rank: int, difference: str) -> None:
         super().__init__(message)
         self.rank, self.differing_rank, self.difference = rank, differing_rank, difference
+
+
+# ---- DataParallel's primitives ------------------------------------------------------------------------
+class ReplicaCountError(_Facts, ValueError, AssertionError):
+    """``parallel_apply`` got a list (``argument``: inputs, kwargs_tup or devices) whose length
+    (``found``) is not the number of modules (``expected``). Also an AssertionError, the type
+    torch's ``parallel_apply`` raises for it."""
+
+    def __init__(self, message: str, *, argument: str, expected: int, found: int) -> None:
+        super().__init__(message)
+        self.argument, self.expected, self.found = argument, expected, found
 
 
 # ---- the job: launcher variables, process group, rendezvous ------------------------------------------

@@ -26,6 +26,7 @@ from ddpkit.errors import (
     NotInitializedError,
     RanksDisagreeError,
     RendezvousError,
+    ReplicaCountError,
     SecondGradientError,
     StateDictMismatchError,
     StaticGraphChangedError,
@@ -43,6 +44,7 @@ BASES = {
     LauncherVariableError: (ValueError,), RendezvousError: (RuntimeError,),
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),
     CollectiveMismatchError: (RuntimeError,),
+    ReplicaCountError: (ValueError, AssertionError),  # ValueError first; AssertionError is torch's
 }
 
 
@@ -129,8 +131,10 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
     assert (saved.path, saved.error) == (f"{tmp_path}/c.pt", "ValueError: this object stays in memory")
     # the exact texts
     assert str(ranks[1]["unused"]) == (
-        "DistributedDataParallel: your module has parameters that were not used in producing loss: they "
-        "received no gradient in this backward pass, so their buckets could not be averaged "
+        "DistributedDataParallel: Expected to have finished reduction in the prior iteration before "
+        "starting a new one (torch's DDP says so at the next forward; ddpkit at this backward, where it "
+        "happens). This error indicates that your module has parameters that were not used in producing "
+        "loss: they received no gradient in this backward pass, so their buckets could not be averaged "
         "(find_unused_parameters=False): rank 0: 'fc.weight' (this is rank 1). HINT: "
         "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the loss) "
         "depends on every parameter; freeze parameters you do not train with requires_grad_(False) before "
@@ -163,8 +167,9 @@ def test_gradient_errors_name_the_parameter():
     assert type(changed) is StaticGraphChangedError
     assert (changed.rank, changed.parameter, changed.first_count) == (1, "fc.bias", 1)
     assert str(changed) == (
-        "DistributedDataParallel on rank 1: parameter 'fc.bias' received more gradients in this backward pass "
-        "than in the first iteration (one gradient), but static_graph=True says every iteration uses the "
+        "DistributedDataParallel on rank 1: Your training graph has changed in this iteration: parameter "
+        "'fc.bias' received more gradients in this backward pass than in the first iteration (one gradient). "
+        "This is not compatible with static_graph set to True, which says every iteration uses the "
         "parameters alike. HINT: drop static_graph=True (pass find_unused_parameters=True if some parameters "
         "go unused in some iterations).")
 
@@ -173,6 +178,7 @@ def test_unused_parameters_are_listed_by_rank_only_for_ranks_that_lack_some():
     error = unused_gradient_error(2, [(0, ["a.weight", "a.bias"]), (1, []), (2, ["b.weight"])], static_graph=True)
     assert error.by_rank == {0: ["a.weight", "a.bias"], 2: ["b.weight"]}
     assert (error.rank, error.static_graph) == (2, True)
+    assert "your training graph has changed in this iteration" in str(error)  # torch's words for it
 
 
 def test_a_hook_that_is_not_callable_is_a_comm_hook_error():

@@ -114,9 +114,10 @@ def second_gradient_error(rank: int, name: str, used: bool) -> SecondGradientErr
 def static_graph_changed_error(rank: int, name: str, first_count: int) -> StaticGraphChangedError:
     """With static_graph, a parameter's hook fired more often than in the first iteration."""
     times = {0: "no gradient", 1: "one gradient"}.get(first_count, f"{first_count} gradients")
-    message = explain(
-        f"parameter '{name}' received more gradients in this backward pass than in the first "
-        f"iteration ({times}), but static_graph=True says every iteration uses the parameters alike.",
+    message = explain(  # torch's words first, so that its error text finds this one
+        f"Your training graph has changed in this iteration: parameter '{name}' received more gradients "
+        f"in this backward pass than in the first iteration ({times}). This is not compatible with "
+        "static_graph set to True, which says every iteration uses the parameters alike.",
         "drop static_graph=True (pass find_unused_parameters=True if some parameters go unused in "
         "some iterations).", who=_DDP, rank=rank)
     return StaticGraphChangedError(message, rank=rank, parameter=name, first_count=first_count)
@@ -129,10 +130,15 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
     listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names) for r, names in by_rank.items())
     mode = ("static_graph=True, and these were used in the first iteration" if static_graph
             else "find_unused_parameters=False")
+    # torch's words, so that its error text finds this one; torch says them at the next forward
+    cause = ("your training graph has changed in this iteration: your module has parameters that were "
+             "not used in producing loss" if static_graph
+             else "your module has parameters that were not used in producing loss")
     message = explain(
-        f"your module has parameters that were not used in producing loss: they received no gradient "
-        f"in this backward pass, so their buckets could not be averaged ({mode}): {listed} (this is "
-        f"rank {rank}).",
+        "Expected to have finished reduction in the prior iteration before starting a new one (torch's "
+        f"DDP says so at the next forward; ddpkit at this backward, where it happens). This error indicates "
+        f"that {cause}: they received no gradient in this backward pass, so their buckets could not be "
+        f"averaged ({mode}): {listed} (this is rank {rank}).",
         "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
         "loss) depends on every parameter; freeze parameters you do not train with "
         "requires_grad_(False) before wrapping the model.", who=_DDP)

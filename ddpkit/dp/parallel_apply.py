@@ -18,6 +18,7 @@ from torch import nn
 
 from ddpkit.dp.devices import DeviceLike, as_device, check_available
 from ddpkit.dp.nested import tensors
+from ddpkit.errors import ReplicaCountError, explain
 
 __all__ = ["parallel_apply"]
 
@@ -124,11 +125,12 @@ def _reraise(index: int, device: torch.device | None, failure: _Failure) -> None
 
 
 def _check_length(name: str, found: int, expected: int) -> None:
-    if found != expected:
-        raise ValueError(
-            f"{name} must have one entry per module: expected {expected}, found {found}. "
-            "HINT: pass the outputs of scatter_kwargs for the same devices as the replicas."
-        )
+    if found != expected:  # torch's words first: its AssertionError says the same
+        raise ReplicaCountError(explain(
+            f"The number of modules {expected} is not equal to the number of {name} {found}: {name} must "
+            f"have one entry per module.",
+            "pass the outputs of scatter_kwargs for the same devices as the replicas."),
+            argument=name, expected=expected, found=found)
 
 
 def parallel_apply(

@@ -183,6 +183,17 @@ class _HalfUsed(nn.Module):
         return self.a(x)
 
 
+class _SometimesB(nn.Module):
+    """``b`` is used only where ``use_b`` says: a graph that changes, for static_graph's errors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x, use_b: bool):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
 class _CheckpointedTwice(nn.Module):
     """One layer under two reentrant checkpoints: its gradients arrive in two reentrant backwards."""
 
@@ -226,6 +237,10 @@ def _misuse(kind: str, DDP: type) -> None:  # noqa: N803 - a class, torch's or d
         ddp = DDP(_HalfUsed())
         for _ in range(2):
             ddp(x).sum().backward()
+    elif kind in ("static_graph_grew", "static_graph_shrank"):  # b unused, then used; or the reverse
+        ddp = DDP(_SometimesB(), static_graph=True)
+        for step in range(4):
+            ddp(x, use_b=(step >= 2) == (kind == "static_graph_grew")).sum().backward()
     elif kind == "marked_twice":
         ddp = DDP(_CheckpointedTwice(), find_unused_parameters=True)  # kept: torch's holds itself weakly
         ddp(x).sum().backward()
@@ -303,9 +318,14 @@ def _misuse_worker(kind: str) -> dict:
     return out
 
 
-# kind: (torch's key phrase, whether ddpkit's message names the rank)
+# kind: (torch's key phrase, or phrases, and whether ddpkit's message names the rank)
 _MISUSES = {
-    "unused": ("your module has parameters that were not used in producing loss", True),
+    "unused": (("Expected to have finished reduction in the prior iteration before starting a new one",
+                "your module has parameters that were not used in producing loss"), True),
+    "static_graph_grew": (("Your training graph has changed in this iteration",
+                           "not compatible with static_graph set to True"), True),
+    "static_graph_shrank": (("Expected to have finished reduction in the prior iteration before starting a new one",
+                             "your training graph has changed in this iteration"), True),
     "marked_twice": ("Expected to mark a variable ready only once", True),
     "hook_twice": ("register_comm_hook or register_builtin_comm_hook can only be called once", True),
     "hook_returns_tensor": ("must return a torch.futures.Future object", True),
@@ -348,8 +368,9 @@ def test_misuse_raises_torchs_type_with_torchs_words(kind):
         assert out["torch"] is not None and out["ddpkit"] is not None, (rank, out)
         (torch_mro, torch_message, _), (ddpkit_mro, message, facts) = out["torch"], out["ddpkit"]
         assert torch_mro[0] in ddpkit_mro, (rank, torch_mro[0], ddpkit_mro)  # the same type, or a subclass
-        assert phrase in torch_message, (rank, torch_message)  # the phrase is torch's
-        assert phrase in message, (rank, message)
+        for words in phrase if isinstance(phrase, tuple) else (phrase,):
+            assert words in torch_message, (rank, torch_message)  # the phrase is torch's
+            assert words in message, (rank, message)
         if names_rank:
             assert f"rank {rank}" in message or f"Rank {rank}" in message, message
         if "rank" in facts:

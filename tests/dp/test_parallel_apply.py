@@ -129,8 +129,11 @@ def test_the_device_defaults_to_that_of_the_replicas_first_tensor():
 )
 def test_mismatched_lengths_are_rejected_naming_the_argument(kwargs, name):
     arguments = {"inputs": [torch.zeros(1)] * 2, **kwargs}
-    with pytest.raises(ValueError, match=rf"{name} must have one entry per module: expected 2, found 1"):
+    with pytest.raises(ValueError, match=rf"{name} must have one entry per module") as raised:
         parallel_apply([Recorder(), Recorder()], **arguments)
+    assert isinstance(raised.value, AssertionError)  # torch's type, and its words
+    assert f"The number of modules 2 is not equal to the number of {name} 1" in str(raised.value)
+    assert (raised.value.argument, raised.value.expected, raised.value.found) == (name, 2, 1)
 
 
 @needs_cuda
