@@ -21,6 +21,7 @@ from ddpkit.checkpoint import load, save
 from ddpkit.ddp import DDP, DistributedDataParallel, SyncBatchNorm
 from ddpkit.dp import DataParallel, data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
 from ddpkit.errors import (
+    BatchDimError,
     CheckpointSaveError,
     CollectiveMismatchError,
     CommHookError,
@@ -70,7 +71,7 @@ __all__ = [
     "replicate", "save", "scatter", "scatter_kwargs", "shutdown", "SyncBatchNorm", "__version__",
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
-    "errors", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
+    "errors", "BatchDimError", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
     "LauncherVariableError",
     "NotAModuleError", "NotInitializedError",
     "RanksDisagreeError", "RendezvousError", "ReplicaCountError", "SecondGradientError", "StateDictMismatchError",

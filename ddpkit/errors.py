@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
            "DenseGradientError", "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
            "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError",
-           "ReplicaCountError"]
+           "ReplicaCountError", "BatchDimError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -131,6 +131,16 @@ class ReplicaCountError(_Facts, ValueError, AssertionError):
     def __init__(self, message: str, *, argument: str, expected: int, found: int) -> None:
         super().__init__(message)
         self.argument, self.expected, self.found = argument, expected, found
+
+
+class BatchDimError(_Facts, ValueError, IndexError, RuntimeError):
+    """``scatter`` or ``gather`` (``action``) met a tensor of ``shape`` that has no dimension ``dim``
+    (or none at all). Also what torch raises there: IndexError for a dim out of range, RuntimeError
+    for a 0-dim tensor."""
+
+    def __init__(self, message: str, *, action: str, dim: int, shape: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.action, self.dim, self.shape = action, dim, shape
 
 
 # ---- the job: launcher variables, process group, rendezvous ------------------------------------------

@@ -17,6 +17,7 @@ import ddpkit
 from ddpkit.checkpoint import load_state_dict
 from ddpkit.ddp.errors import second_gradient_error, static_graph_changed_error, unused_gradient_error
 from ddpkit.errors import (
+    BatchDimError,
     CheckpointSaveError,
     CollectiveMismatchError,
     CommHookError,
@@ -45,6 +46,7 @@ BASES = {
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),
     CollectiveMismatchError: (RuntimeError,),
     ReplicaCountError: (ValueError, AssertionError),  # ValueError first; AssertionError is torch's
+    BatchDimError: (ValueError, IndexError, RuntimeError),  # torch's IndexError, or RuntimeError (0-dim)
 }
 
 

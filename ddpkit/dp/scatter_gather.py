@@ -19,21 +19,24 @@ import torch
 from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
 from ddpkit.dp.nested import UnevenSplit, join, split, tensors
 from ddpkit.dp.torch_names import torch_keywords
+from ddpkit.errors import BatchDimError, explain
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
 
 def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
+    """torch's words first (its chunk and cat say them on GPUs), then which call, dim and shape."""
+    shape = tuple(t.shape)
     if t.dim() == 0:
-        raise ValueError(
-            f"cannot {action} a 0-dim tensor along dim={dim}: expected at least 1 dimension, "
-            f"found shape {tuple(t.shape)}. HINT: give the tensor a batch dimension, e.g. t.unsqueeze(0)."
-        )
+        raise BatchDimError(explain(
+            f"chunk expects at least a 1-dimensional tensor: cannot {action} a 0-dim tensor along "
+            f"dim={dim}, found shape {shape}.",
+            "give the tensor a batch dimension, e.g. t.unsqueeze(0)."), action=action, dim=dim, shape=shape)
     if not -t.dim() <= dim < t.dim():
-        raise ValueError(
-            f"cannot {action} along dim={dim}: expected dim in [{-t.dim()}, {t.dim()}) for a tensor of "
-            f"shape {tuple(t.shape)}. HINT: pass dim= the batch dimension of every tensor input."
-        )
+        raise BatchDimError(explain(
+            f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], but got "
+            f"{dim}): cannot {action} along dim={dim} a tensor of shape {shape}.",
+            "pass dim= the batch dimension of every tensor input."), action=action, dim=dim, shape=shape)
 
 
 def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> list[torch.Tensor]:

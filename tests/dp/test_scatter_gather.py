@@ -89,13 +89,22 @@ def test_scatter_is_differentiable_back_to_the_input():
 
 
 def test_scatter_rejects_a_dim_out_of_range_naming_dim_and_shape():
-    with pytest.raises(ValueError, match=r"dim=2.*shape \(30, 5\)"):
+    with pytest.raises(IndexError, match=r"dim=2.*shape \(30, 5\)") as raised:  # torch's type on GPUs
         scatter(torch.zeros(30, 5), ["cpu"] * 2, dim=2)
+    assert isinstance(raised.value, ValueError) and (raised.value.dim, raised.value.shape) == (2, (30, 5))
+    with pytest.raises(IndexError) as torchs:  # what torch's chunk says, word for word
+        torch.zeros(30, 5).chunk(2, 2)
+    assert str(raised.value).startswith(str(torchs.value))
 
 
 def test_scatter_rejects_a_0_dim_tensor():
-    with pytest.raises(ValueError, match=r"0-dim tensor.*HINT"):
+    with pytest.raises(RuntimeError, match=r"chunk expects at least a 1-dimensional tensor: .*0-dim tensor.*HINT"):
         scatter(torch.tensor(3.0), ["cpu"] * 2)
+
+
+def test_gather_rejects_a_dim_out_of_range():
+    with pytest.raises(IndexError, match=r"Dimension out of range .*cannot gather along dim=1"):
+        gather([torch.zeros(3), torch.zeros(3)], "cpu", dim=1)
 
 
 def test_scatter_rejects_an_empty_device_list():
