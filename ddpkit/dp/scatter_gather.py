@@ -28,9 +28,10 @@ def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
     """torch's words first (its chunk and cat say them on GPUs), then which call, dim and shape."""
     shape = tuple(t.shape)
     if t.dim() == 0:
+        torchs = ("chunk expects at least a 1-dimensional tensor" if action == "scatter"
+                  else "zero-dimensional tensor (at position 0) cannot be concatenated")
         raise BatchDimError(explain(
-            f"chunk expects at least a 1-dimensional tensor: cannot {action} a 0-dim tensor along "
-            f"dim={dim}, found shape {shape}.",
+            f"{torchs}: cannot {action} a 0-dim tensor along dim={dim}, found shape {shape}.",
             "give the tensor a batch dimension, e.g. t.unsqueeze(0)."), action=action, dim=dim, shape=shape)
     if not -t.dim() <= dim < t.dim():
         raise BatchDimError(explain(

@@ -105,6 +105,9 @@ def test_scatter_rejects_a_0_dim_tensor():
 def test_gather_rejects_a_dim_out_of_range():
     with pytest.raises(IndexError, match=r"Dimension out of range .*cannot gather along dim=1"):
         gather([torch.zeros(3), torch.zeros(3)], "cpu", dim=1)
+    with pytest.raises(RuntimeError, match=r"zero-dimensional tensor \(at position 0\) cannot be concatenated: "
+                                           r"cannot gather a 0-dim tensor along dim=1"):
+        gather([torch.zeros(()), torch.zeros(())], "cpu", dim=1)
 
 
 def test_scatter_rejects_an_empty_device_list():
