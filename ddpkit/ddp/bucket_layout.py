@@ -83,10 +83,12 @@ class BucketLayout:
         self.rebuilt, self.record = False, []
 
     def rebuild_order(self) -> list[int]:
-        """The recorded order; parameters that got no gradient go last, in registration order, as
-        torch appends them."""
-        seen = set(self.record or ())
-        return list(self.record or ()) + [i for i in range(len(self.params)) if i not in seen]
+        """The recorded order, each parameter where it first came (a pipeline stage may reduce twice
+        before the forward that rebuilds); parameters that got no gradient go last, in registration
+        order, as torch appends them."""
+        recorded = list(dict.fromkeys(self.record or ()))
+        seen = set(recorded)
+        return recorded + [i for i in range(len(self.params)) if i not in seen]
 
     def rebuild(self, group: Any, hooked: bool) -> None:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""

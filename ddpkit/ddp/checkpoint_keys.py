@@ -1,19 +1,26 @@
-"""torch's distributed-checkpoint keys for ddpkit's DDP: the same as for torch's, without ``module.``.
+"""torch's checks for its DDP class, widened to ddpkit's: distributed-checkpoint keys, pipeline stages.
 
-``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, ``get_state_dict``, their
-``set_`` twins, and so ``dcp.save`` / ``dcp.load`` of what they return) names parameters and optimizer
-state by canonical names. Its ``_get_fqns`` drops a wrapper's level when ``isinstance(obj, DDP)``,
-``DDP`` being torch's class, imported there under that name; FSDP, ``torch.compile``'s ``_orig_mod``
-and checkpoint wrappers are recognised the same way, by class or by a fixed prefix. torch offers no
-registration for other wrappers (a module's ``_fqn_modifiers`` adds a level to a key, never drops
-one), so ``install()`` widens that one name: it becomes ``TorchOrDdpkitDDP``, which ``isinstance``
-matches for torch's DDP and for ddpkit's. ``_get_fqns`` is the only reader of ``DDP`` there in torch
-2.2 to 2.13, and it reads it at each call, so nothing else changes; torch's DDP is neither subclassed
-nor constructed. A torch whose module has no such name is left alone, with a warning.
+Two modules of ``torch.distributed`` recognise a DDP by ``isinstance`` against torch's class, imported
+under a name of their own, and offer no registration for other wrappers:
 
-Importing torch's module costs about 0.7 s, so ``import ddpkit`` does not: ``install()`` adapts it at
-once if it is imported already, else right after it is imported, through an import hook that
-answers for that one module name and passes every other by.
+- ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, ``get_state_dict``, their
+  ``set_`` twins, and so ``dcp.save`` / ``dcp.load`` of what they return): its ``_get_fqns`` drops a
+  DDP's ``module.`` level from the canonical names (name ``DDP``). FSDP, ``torch.compile``'s
+  ``_orig_mod`` and checkpoint wrappers are recognised the same way; a module's ``_fqn_modifiers``
+  adds a level to a key, never drops one.
+- ``torch.distributed.pipelining.stage`` (name ``DistributedDataParallel``): a stage whose module is
+  a DDP runs every microbatch but the last under ``no_sync()`` and calls ``reducer.prepare_for_backward
+  (outputs)`` before the last backward, so that one all-reduce averages the accumulated gradients.
+
+``install()`` rebinds each name to a class that ``isinstance`` matches for torch's DDP and for ddpkit's
+(for a stage, only one that averages: a world of one has no reducer). They are the only readers of
+those names in torch 2.2 to 2.13 (the stage's from 2.4, where pipelining came), each reads it at each
+call, so nothing else changes; torch's DDP is neither subclassed nor constructed. A torch whose module binds no such name is left alone, with a
+warning.
+
+Importing torch's modules costs about 0.7 s, so ``import ddpkit`` does not: ``install()`` adapts one
+at once if it is imported already, else right after it is imported, through an import hook that
+answers for those module names and passes every other by.
 """
 from __future__ import annotations
 
@@ -28,10 +35,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddpkit.ddp.distributed import DistributedDataParallel
 
-__all__ = ["TorchOrDdpkitDDP", "TARGET", "install", "adapt"]
+__all__ = ["TorchOrDdpkitDDP", "TorchOrAveragingDdpkitDDP", "TARGET", "PIPELINE_TARGET", "TARGETS", "install",
+           "adapt"]
 
 TARGET = "torch.distributed.checkpoint.state_dict"
 """The module whose ``DDP`` name decides which wrappers lose their ``module.`` level."""
+
+PIPELINE_TARGET = "torch.distributed.pipelining.stage"
+"""The module whose ``DistributedDataParallel`` name decides which stage modules sync once a step."""
 
 
 class _EitherDDP(type):
@@ -50,22 +61,45 @@ class TorchOrDdpkitDDP(metaclass=_EitherDDP):
     """What ``torch.distributed.checkpoint.state_dict.DDP`` names once adapted: torch's DDP or ddpkit's."""
 
 
+class _EitherAveragingDDP(_EitherDDP):
+    """As ``_EitherDDP``, but a ddpkit DDP only with a reducer (a world of one has none: a plain module)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if isinstance(obj, DistributedDataParallel):
+            return obj.reducer is not None
+        return isinstance(obj, TorchDDP)
+
+
+class TorchOrAveragingDdpkitDDP(metaclass=_EitherAveragingDDP):
+    """What ``torch.distributed.pipelining.stage.DistributedDataParallel`` names once adapted."""
+
+
+# module -> (the name it binds torch's DDP to, what it becomes, what is lost where it cannot)
+TARGETS = {
+    TARGET: ("DDP", TorchOrDdpkitDDP, "get_state_dict keeps ddpkit DDP's 'module.' prefix; HINT: pass "
+             "model.module to get_state_dict / set_state_dict."),
+    PIPELINE_TARGET: ("DistributedDataParallel", TorchOrAveragingDdpkitDDP, "a pipeline stage runs a "
+                      "ddpkit DDP as a plain module, averaging after every microbatch; HINT: use torch's "
+                      "DDP for the stages of a pipeline."),
+}
+
+
 def adapt(module: ModuleType) -> bool:
-    """Make ``module`` (torch's ``state_dict``) recognise ddpkit's DDP; True if it does now."""
-    current = getattr(module, "DDP", None)
-    if current is TorchOrDdpkitDDP:
+    """Make ``module`` (one of ``TARGETS``) recognise ddpkit's DDP; True if it does now."""
+    name, widened, lost = TARGETS[module.__name__]
+    current = getattr(module, name, None)
+    if current is widened:
         return True
     if current is not TorchDDP:  # a torch that decides otherwise: leave it, and say so once
-        warnings.warn(f"ddpkit: {TARGET} has no DDP name bound to torch's DistributedDataParallel, so "
-                      "get_state_dict keeps ddpkit DDP's 'module.' prefix; HINT: pass model.module to "
-                      "get_state_dict / set_state_dict.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"ddpkit: {module.__name__} has no {name} name bound to torch's DistributedDataParallel, "
+                      f"so {lost}", RuntimeWarning, stacklevel=2)
         return False
-    module.DDP = TorchOrDdpkitDDP
+    setattr(module, name, widened)
     return True
 
 
 class _AdaptOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``TARGET`` is imported (or reloaded), lets the other finders find
+    """Finds nothing itself: when one of ``TARGETS`` is imported (or reloaded), lets the other finders find
     it and has its loader call ``adapt`` once the module's code has run. Other names pass at the
     cost of one string comparison."""
 
@@ -73,7 +107,7 @@ class _AdaptOnImport(importlib.abc.MetaPathFinder):
         self._finding = threading.local()  # our own find_spec call below must not come back here
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != TARGET or getattr(self._finding, "active", False):
+        if fullname not in TARGETS or getattr(self._finding, "active", False):
             return None
         self._finding.active = True
         try:
@@ -109,10 +143,11 @@ class _AdaptingLoader:
 
 
 def install() -> None:
-    """Adapt torch's module now if it is imported, and whenever it is (re)imported (``import ddpkit``
+    """Adapt torch's modules now where imported, and whenever they are (re)imported (``import ddpkit``
     calls this once; again changes nothing)."""
     if not any(isinstance(f, _AdaptOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AdaptOnImport())
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        adapt(module)
+    for target in TARGETS:
+        module = sys.modules.get(target)
+        if module is not None:
+            adapt(module)

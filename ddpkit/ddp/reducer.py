@@ -32,6 +32,7 @@ from ddpkit.ddp.cpu_share import own_cpu_cap
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
+from ddpkit.ddp.outputs import unreached_parameters
 from ddpkit.ddp.profiling import bucket_range, profiled
 from ddpkit.ddp.usage import ParameterUsage
 
@@ -138,9 +139,14 @@ class Reducer:
             raise self.logger.logged(errors.unfinished_backward_error(self.rank))
         it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
 
-    def prepare_for_backward(self, unused: Sequence[int] = ()) -> None:
+    def prepare_for_backward(self, unused: Sequence[int] | Sequence[torch.Tensor] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
-        forwards before one backward (a siamese loss, an evaluation forward) share one iteration."""
+        forwards before one backward (a siamese loss, an evaluation forward) share one iteration.
+        Also torch's reducer call, with the outputs: a pipeline stage arms its last backward so."""
+        if unused and isinstance(unused[0], torch.Tensor):
+            search = self.usage.find_unused and not self.usage.static_graph
+            outputs = [t for t in unused if t.requires_grad]
+            unused = unreached_parameters(outputs, self.index_of) if search else ()
         self.forwards += 1
         self._iteration.arm(self.forwards)
         self.usage.note_forward(unused, self.iterations)

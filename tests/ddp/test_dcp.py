@@ -139,7 +139,7 @@ def test_dcp_checkpoints_cross_between_torch_ddp_ddpkit_ddp_and_the_bare_module(
 
 def test_adapt_widens_only_the_ddp_name_and_is_idempotent():
     torch_ddp = nn.parallel.DistributedDataParallel
-    fake = types.ModuleType("fake_state_dict")
+    fake = types.ModuleType(checkpoint_keys.TARGET)
     fake.DDP, fake.FSDP = torch_ddp, object
     assert checkpoint_keys.adapt(fake) and checkpoint_keys.adapt(fake)
     assert fake.DDP is checkpoint_keys.TorchOrDdpkitDDP and fake.FSDP is object
@@ -150,7 +150,7 @@ def test_adapt_widens_only_the_ddp_name_and_is_idempotent():
 
 
 def test_adapt_leaves_a_torch_without_the_ddp_name_alone_and_says_so():
-    fake = types.ModuleType("fake_state_dict")
+    fake = types.ModuleType(checkpoint_keys.TARGET)
     with pytest.warns(RuntimeWarning, match="HINT: pass model.module"):
         assert not checkpoint_keys.adapt(fake)
     assert not hasattr(fake, "DDP")
