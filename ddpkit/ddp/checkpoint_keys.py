@@ -15,8 +15,8 @@ under a name of their own, and offer no registration for other wrappers:
 ``install()`` rebinds each name to a class that ``isinstance`` matches for torch's DDP and for ddpkit's
 (for a stage, only one that averages: a world of one has no reducer). They are the only readers of
 those names in torch 2.2 to 2.13 (the stage's from 2.4, where pipelining came), each reads it at each
-call, so nothing else changes; torch's DDP is neither subclassed nor constructed. A torch whose module binds no such name is left alone, with a
-warning.
+call, so nothing else changes; torch's DDP is neither subclassed nor constructed. A torch whose
+module binds no such name is left alone, with a warning.
 
 Importing torch's modules costs about 0.7 s, so ``import ddpkit`` does not: ``install()`` adapts one
 at once if it is imported already, else right after it is imported, through an import hook that
