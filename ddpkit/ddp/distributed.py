@@ -32,7 +32,7 @@ from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.errors import not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
-from ddpkit.ddp.outputs import find_tensors, to_device, unreached_parameters
+from ddpkit.ddp.outputs import find_tensors, to_device
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
@@ -232,9 +232,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             outputs = [t for t in find_tensors(output) if t.requires_grad]
-            # with static_graph the first iteration's hook counts decide, as in torch
             search = self.find_unused_parameters and not self.static_graph
-            unused = unreached_parameters(outputs, self.reducer.index_of) if search else ()
+            unused = self.reducer.unreached(outputs)
             self.reducer.prepare_for_backward(unused)
             if search:  # torch logs whether the unused ones stay the same (can_set_static_graph)
                 self.logger.note_unused(unused)

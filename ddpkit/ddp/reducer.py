@@ -144,15 +144,20 @@ class Reducer:
         forwards before one backward (a siamese loss, an evaluation forward) share one iteration.
         Also torch's reducer call, with the outputs: a pipeline stage arms its last backward so."""
         if unused and isinstance(unused[0], torch.Tensor):
-            search = self.usage.find_unused and not self.usage.static_graph
-            outputs = [t for t in unused if t.requires_grad]
-            unused = unreached_parameters(outputs, self.index_of) if search else ()
+            unused = self.unreached(unused)
         self.forwards += 1
         self._iteration.arm(self.forwards)
         self.usage.note_forward(unused, self.iterations)
         if self.logger.timing:  # a sampled iteration: its backward begins, its gradients' order is noted
             self._iteration.record = self.logger.start_backward(
                 self._iteration.record, [self.params[i] for i in unused or self.usage.static_unused])
+
+    def unreached(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """find_unused_parameters' search: the parameters ``outputs`` cannot reach (none searched with
+        static_graph, whose first iteration's hook counts decide, as in torch)."""
+        if not self.usage.find_unused or self.usage.static_graph:
+            return []
+        return unreached_parameters([t for t in outputs if t.requires_grad], self.index_of)
 
     def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
         """A hook for this forward's outputs: queues the wait at the end of the backward that runs
