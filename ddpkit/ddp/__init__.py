@@ -8,8 +8,9 @@ and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook
 decides which parameters share a ``bucket`` and ``bucket_layout`` holds the buckets and rebuilds
 them. ``join`` lets ranks out of data
 shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
-``autograd_engine`` holds the private autograd calls, each with its reason. ``checkpoint_keys``
-gives ddpkit's DDP torch's distributed-checkpoint keys (no ``module.``), installed on import here;
+``autograd_engine`` holds the private autograd calls, each with its reason. ``ddp_class_checks``
+widens torch's checks for its DDP class to ddpkit's (distributed-checkpoint keys without ``module.``,
+pipeline stages), installed on import here;
 ``compile_support`` gives it Dynamo's treatment of torch's DDP under ``torch.compile``; ``pickling``
 is deepcopy and torch.save of the wrapper.
 ``sync_batchnorm`` is SyncBatchNorm (statistics over every rank's batch, on CPU too), its autograd
@@ -17,10 +18,10 @@ Function in ``sync_batchnorm_function``.
 """
 from __future__ import annotations
 
-from ddpkit.ddp import checkpoint_keys, hooks
+from ddpkit.ddp import ddp_class_checks, hooks
 from ddpkit.ddp.distributed import DDP, DistributedDataParallel
 from ddpkit.ddp.sync_batchnorm import SyncBatchNorm
 
-checkpoint_keys.install()
+ddp_class_checks.install()
 
 __all__ = ["DDP", "DistributedDataParallel", "SyncBatchNorm", "hooks"]

@@ -2,7 +2,7 @@
 
 The reference is torch's DDP: ``get_model_state_dict`` / ``get_state_dict`` give it the bare module's
 keys (no ``module.``), and ``dcp.save`` / ``dcp.load`` of their result move between torch's DDP, ddpkit's
-DDP and the bare module. ddpkit's DDP must do the same; see ddpkit/ddp/checkpoint_keys.py.
+DDP and the bare module. ddpkit's DDP must do the same; see ddpkit/ddp/ddp_class_checks.py.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from ranks import run_ranks
 from torch import nn
 
-from ddpkit.ddp import checkpoint_keys
+from ddpkit.ddp import ddp_class_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("torch", "ddpkit", "bare")
@@ -139,10 +139,10 @@ def test_dcp_checkpoints_cross_between_torch_ddp_ddpkit_ddp_and_the_bare_module(
 
 def test_adapt_widens_only_the_ddp_name_and_is_idempotent():
     torch_ddp = nn.parallel.DistributedDataParallel
-    fake = types.ModuleType(checkpoint_keys.TARGET)
+    fake = types.ModuleType(ddp_class_checks.TARGET)
     fake.DDP, fake.FSDP = torch_ddp, object
-    assert checkpoint_keys.adapt(fake) and checkpoint_keys.adapt(fake)
-    assert fake.DDP is checkpoint_keys.TorchOrDdpkitDDP and fake.FSDP is object
+    assert ddp_class_checks.adapt(fake) and ddp_class_checks.adapt(fake)
+    assert fake.DDP is ddp_class_checks.TorchOrDdpkitDDP and fake.FSDP is object
     import ddpkit
 
     assert issubclass(torch_ddp, fake.DDP) and issubclass(ddpkit.DDP, fake.DDP)
@@ -150,25 +150,25 @@ def test_adapt_widens_only_the_ddp_name_and_is_idempotent():
 
 
 def test_adapt_leaves_a_torch_without_the_ddp_name_alone_and_says_so():
-    fake = types.ModuleType(checkpoint_keys.TARGET)
+    fake = types.ModuleType(ddp_class_checks.TARGET)
     with pytest.warns(RuntimeWarning, match="HINT: pass model.module"):
-        assert not checkpoint_keys.adapt(fake)
+        assert not ddp_class_checks.adapt(fake)
     assert not hasattr(fake, "DDP")
 
 
 def test_install_adapts_a_module_imported_before_ddpkit(monkeypatch):
-    fake = types.ModuleType(checkpoint_keys.TARGET)
+    fake = types.ModuleType(ddp_class_checks.TARGET)
     fake.DDP = nn.parallel.DistributedDataParallel
-    monkeypatch.setitem(sys.modules, checkpoint_keys.TARGET, fake)
-    checkpoint_keys.install()
-    assert fake.DDP is checkpoint_keys.TorchOrDdpkitDDP
+    monkeypatch.setitem(sys.modules, ddp_class_checks.TARGET, fake)
+    ddp_class_checks.install()
+    assert fake.DDP is ddp_class_checks.TorchOrDdpkitDDP
 
 
 @pytest.mark.timeout(60)
 def test_torch_module_imported_after_ddpkit_and_reimported_is_adapted():
     script = (
         "import sys, ddpkit\n"
-        "from ddpkit.ddp.checkpoint_keys import TARGET, TorchOrDdpkitDDP\n"
+        "from ddpkit.ddp.ddp_class_checks import TARGET, TorchOrDdpkitDDP\n"
         "assert TARGET not in sys.modules\n"
         "import torch.distributed.checkpoint.state_dict as sd\n"
         "assert sd.DDP is TorchOrDdpkitDDP\n"

@@ -3,7 +3,7 @@
 A ``PipelineStage`` whose module is a DDP runs every microbatch but the last under ``no_sync()`` and
 arms the last backward with ``reducer.prepare_for_backward(outputs)``. Here each of 2 ranks is a
 one-stage pipeline (data parallel across the ranks), and the reference is the same microbatches
-accumulated under ``no_sync`` by hand. See ddpkit/ddp/checkpoint_keys.py.
+accumulated under ``no_sync`` by hand. See ddpkit/ddp/ddp_class_checks.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from ranks import run_ranks
 from torch import nn
 
-from ddpkit.ddp import checkpoint_keys
+from ddpkit.ddp import ddp_class_checks
 
 pipelining = pytest.importorskip("torch.distributed.pipelining", reason="torch.distributed.pipelining: torch >= 2.4")
 
@@ -101,11 +101,11 @@ def test_a_ddp_stage_averages_once_a_step_as_torchs_does():
 
 
 def test_the_stage_name_is_widened_only_for_a_ddpkit_ddp_that_averages():
-    fake = types.ModuleType(checkpoint_keys.PIPELINE_TARGET)
+    fake = types.ModuleType(ddp_class_checks.PIPELINE_TARGET)
     fake.DistributedDataParallel = nn.parallel.DistributedDataParallel
-    assert checkpoint_keys.adapt(fake) and checkpoint_keys.adapt(fake)
+    assert ddp_class_checks.adapt(fake) and ddp_class_checks.adapt(fake)
     widened = fake.DistributedDataParallel
-    assert widened is checkpoint_keys.TorchOrAveragingDdpkitDDP
+    assert widened is ddp_class_checks.TorchOrAveragingDdpkitDDP
     import ddpkit
 
     alone = ddpkit.DDP(nn.Linear(2, 2))  # no process group: a world of one, a plain module to a stage
@@ -119,4 +119,4 @@ def test_the_stage_name_is_widened_only_for_a_ddpkit_ddp_that_averages():
 def test_torchs_stage_module_is_adapted_once_imported():  # after ddpkit, imported above: by the hook
     from torch.distributed.pipelining import stage
 
-    assert stage.DistributedDataParallel is checkpoint_keys.TorchOrAveragingDdpkitDDP
+    assert stage.DistributedDataParallel is ddp_class_checks.TorchOrAveragingDdpkitDDP
