@@ -4,7 +4,8 @@ A process's memory high-water mark and its heap carry the history of everything 
 one model's freed arenas, the allocator's fragmentation, Gloo's buffers. Measured in the same
 process, one after the other, the order of the figures moved them by more than the differences
 between the two DDPs. Each figure of the memory table therefore comes from new processes (one per
-rank, started from a forkserver that has torch imported), which rendezvous over a ``FileStore``.
+rank, started from a forkserver that has torch, torch._dynamo and the measuring module imported, so
+a child starts in a fraction of a second), which rendezvous over a ``FileStore``.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def in_fresh_processes(fn: Callable[..., Any], *args: Any) -> Any:
     dist.broadcast_object_list(holder, src=0)
     path = os.path.join(holder[0], f"store-{next(_COUNTER)}")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])
+    # torch.optim's first optimizer imports torch._dynamo: 2 s in every child unless the server has it
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", fn.__module__])
     receiver, sender = context.Pipe(duplex=False)
     proc = context.Process(target=_child, args=(rank, world, dist.get_backend(), torch.get_num_threads(),
                                                  path, fn, args, sender), name=f"fresh-rank{rank}")
