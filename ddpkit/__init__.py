@@ -26,9 +26,11 @@ from ddpkit.errors import (
     CollectiveMismatchError,
     CommHookError,
     DenseGradientError,
+    EmptyListError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
+    OutputKeysError,
     RanksDisagreeError,
     RendezvousError,
     ReplicaCountError,
@@ -72,8 +74,8 @@ __all__ = [
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
     "errors", "BatchDimError", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
-    "LauncherVariableError",
-    "NotAModuleError", "NotInitializedError",
+    "EmptyListError", "LauncherVariableError",
+    "NotAModuleError", "NotInitializedError", "OutputKeysError",
     "RanksDisagreeError", "RendezvousError", "ReplicaCountError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",
 ]

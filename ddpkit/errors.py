@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
            "DenseGradientError", "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
            "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError",
-           "ReplicaCountError", "BatchDimError"]
+           "ReplicaCountError", "BatchDimError", "EmptyListError", "OutputKeysError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -141,6 +141,28 @@ class BatchDimError(_Facts, ValueError, IndexError, RuntimeError):
     def __init__(self, message: str, *, action: str, dim: int, shape: tuple[int, ...]) -> None:
         super().__init__(message)
         self.action, self.dim, self.shape = action, dim, shape
+
+
+class EmptyListError(_Facts, ValueError, IndexError, RuntimeError):
+    """A DataParallel primitive got an empty list for ``argument`` (device_ids, target_devices or
+    outputs). Also the types torch raises there: IndexError where it reads the first entry,
+    RuntimeError ("device type could not be determined") from ``data_parallel`` without CUDA."""
+
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+class OutputKeysError(_Facts, ValueError, KeyError):
+    """``gather`` met dicts whose keys differ between replicas (``found``: each one's keys). Also a
+    KeyError, what torch's gather raises when the keys differ but not their number."""
+
+    def __init__(self, message: str, *, found: list) -> None:
+        super().__init__(message)
+        self.found = found
+
+    def __str__(self) -> str:  # KeyError's would be the repr of the message
+        return str(self.args[0]) if self.args else ""
 
 
 # ---- the job: launcher variables, process group, rendezvous ------------------------------------------

@@ -22,9 +22,11 @@ from ddpkit.errors import (
     CollectiveMismatchError,
     CommHookError,
     DenseGradientError,
+    EmptyListError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
+    OutputKeysError,
     RanksDisagreeError,
     RendezvousError,
     ReplicaCountError,
@@ -47,6 +49,8 @@ BASES = {
     CollectiveMismatchError: (RuntimeError,),
     ReplicaCountError: (ValueError, AssertionError),  # ValueError first; AssertionError is torch's
     BatchDimError: (ValueError, IndexError, RuntimeError),  # torch's IndexError, or RuntimeError (0-dim)
+    EmptyListError: (ValueError, IndexError, RuntimeError),  # torch reads [0], or finds no device type
+    OutputKeysError: (ValueError, KeyError),  # torch's gather looks each key up
 }
 
 

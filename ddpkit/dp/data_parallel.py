@@ -11,7 +11,7 @@ import operator
 import warnings
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
 from ddpkit.dp.parallel_apply import parallel_apply_on
 from ddpkit.dp.replicate import replicate_to
 from ddpkit.dp.scatter_gather import gather_target, gather_to, scatter_kwargs_to
+from ddpkit.errors import EmptyListError
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -30,6 +31,13 @@ _IMBALANCE_WARNING = """
     has less than 75% of the memory or cores of GPU {}. You can do so by setting
     the device_ids argument to DataParallel, or by setting the CUDA_VISIBLE_DEVICES
     environment variable."""
+
+
+def _empty_device_ids() -> EmptyListError:
+    return EmptyListError(
+        "device_ids is empty: expected at least one device. "
+        "HINT: pass device_ids=None to use every GPU, or name devices, e.g. ['cpu', 'cpu'].",
+        argument="device_ids")
 
 
 def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None, *,
@@ -52,10 +60,7 @@ def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None, *,
         # torch ignores device_ids when there is no GPU, so scripts written for GPUs still run
         return []
     if not devices:
-        raise ValueError(
-            "device_ids is empty: expected at least one device. "
-            "HINT: pass device_ids=None to use every GPU, or name devices, e.g. ['cpu', 'cpu']."
-        )
+        raise _empty_device_ids()
     for i, device in enumerate(devices):
         check_available(device, f"device_ids[{i}]")
     return devices
@@ -108,7 +113,7 @@ def _at_least_one_call(inputs: tuple[Any, ...], kwargs: tuple[dict[str, Any], ..
     return inputs, kwargs
 
 
-class DataParallel(nn.Module, Generic[M]):
+class DataParallel(nn.DataParallel[M]):
     """Split each batch over devices, run one replica per chunk in parallel, join the outputs.
 
     Gradients of all replicas accumulate into ``module``'s parameters; the replica on ``device_ids[0]``
@@ -120,6 +125,10 @@ class DataParallel(nn.Module, Generic[M]):
             or, without CUDA, none (the module is then called directly, as in torch).
         output_device: where outputs are gathered (default ``device_ids[0]``; -1 means the CPU).
         dim: the batch dimension of inputs and outputs.
+
+    It subclasses ``torch.nn.DataParallel`` only to be recognised as one, by users' code that unwraps
+    ``.module`` and by torch's own checks; it overrides every method, and torch's ``__init__`` (which
+    refuses CPU devices) never runs.
 
     Example:
         >>> model = DataParallel(nn.Linear(5, 2), device_ids=["cpu", "cpu", "cpu"])
@@ -134,7 +143,7 @@ class DataParallel(nn.Module, Generic[M]):
         output_device: DeviceLike | None = None,
         dim: int = 0,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.module = module
         self.dim = dim
         devices = _resolve_device_ids(device_ids)
@@ -197,10 +206,7 @@ def data_parallel(
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     if device_ids is not None and len(device_ids) == 0:
-        raise ValueError(
-            "device_ids is empty: expected at least one device. "
-            "HINT: pass device_ids=None to use every GPU, or name devices, e.g. ['cpu', 'cpu']."
-        )
+        raise _empty_device_ids()
     devices = _resolve_device_ids(device_ids, named_gpus_needed=True)
     if not devices:
         return module(*inputs, **(module_kwargs or {}))

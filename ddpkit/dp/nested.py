@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ddpkit.errors import OutputKeysError
+
 __all__ = ["UnevenSplit", "is_namedtuple", "join", "map_tensors", "split", "tensors"]
 
 
@@ -142,7 +144,8 @@ def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "ob
     from each object) and returns their joined value.
 
     Raises:
-        ValueError: dicts at one position have different keys, or sequences different lengths
+        OutputKeysError: dicts at one position have different keys (a ValueError and a KeyError).
+        ValueError: sequences at one position have different lengths
             (``what`` names the objects in the message).
     """
     first = objs[0]
@@ -152,7 +155,7 @@ def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "ob
     if isinstance(first, dict):
         if not all(isinstance(d, dict) and d.keys() == first.keys() for d in objs):
             found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in objs]
-            raise ValueError(f"all {what} must be dicts with the same keys, but found {found}")
+            raise OutputKeysError(f"all {what} must be dicts with the same keys, but found {found}", found=found)
         columns = [[d[k] for d in objs] for k in node.keys]
     elif node.keys is not None:  # a dataclass: its init fields, by name
         columns = [[getattr(o, name) for o in objs] for name in node.keys]

@@ -1,6 +1,8 @@
 """parallel_apply: run each replica on its own input in its own thread, as torch does.
 
-Grad mode and autocast are thread-local, so the caller's state is carried into every thread. An
+Grad mode, inference mode and autocast are thread-local, so the caller's state is carried into every
+thread (torch carries grad mode and autocast only: a BatchNorm in training mode under
+``torch.inference_mode()`` then fails in its replica threads). An
 exception raised in a replica comes back to the caller with its original type, a message naming the
 replica and its device, the replica's traceback text, and the original exception chained as the cause.
 """
@@ -38,6 +40,7 @@ class _ThreadState:
     """The caller's thread-local torch state that every replica thread must reproduce."""
 
     grad_enabled: bool
+    inference: bool
     autocast: tuple[tuple[str, torch.dtype, bool], ...]  # (device_type, dtype, cache_enabled) when enabled
 
     @classmethod
@@ -47,9 +50,11 @@ class _ThreadState:
             for kind in _AUTOCAST_TYPES
             if torch.is_autocast_enabled(kind)
         )
-        return cls(torch.is_grad_enabled(), autocast)
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
     def enter(self, stack: contextlib.ExitStack) -> None:
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         for kind, dtype, cache in self.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))

@@ -19,7 +19,7 @@ import torch
 from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
 from ddpkit.dp.nested import UnevenSplit, join, split, tensors
 from ddpkit.dp.torch_names import torch_keywords
-from ddpkit.errors import BatchDimError, explain
+from ddpkit.errors import BatchDimError, EmptyListError, explain
 
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
@@ -68,9 +68,9 @@ def _split_over(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
 def _target_devices(target_devices: Sequence[DeviceLike]) -> list[torch.device]:
     devices = as_devices(target_devices, what="target_devices")
     if not devices:
-        raise ValueError(
-            "target_devices is empty: expected at least one device. HINT: pass e.g. ['cpu', 'cpu'] or [0, 1]."
-        )
+        raise EmptyListError(
+            "target_devices is empty: expected at least one device. HINT: pass e.g. ['cpu', 'cpu'] or [0, 1].",
+            argument="target_devices")
     for i, device in enumerate(devices):
         check_available(device, f"target_devices[{i}]")
     return devices
@@ -185,7 +185,8 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     torch.device. 0-dim outputs become a vector with one entry per replica, with torch's warning.
     """
     if len(outputs) == 0:
-        raise ValueError("outputs is empty: expected one output per replica, found none.")
+        raise EmptyListError("gather: outputs is empty: expected one output per replica, found none.",
+                             argument="outputs")
     target = gather_target(target_device)
     check_available(target, "target_device")
     return gather_to(outputs, target, dim)

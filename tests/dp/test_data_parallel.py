@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ddpkit.dp.data_parallel import DataParallel, data_parallel
+from ddpkit.errors import EmptyListError
 
 dp_module = importlib.import_module("ddpkit.dp.data_parallel")  # the package attribute is the function
 
@@ -285,12 +286,25 @@ def test_a_parameter_on_another_device_is_named():
         DataParallel(model, device_ids=["cpu"] * 2)(torch.randn(4, 5))
 
 
-def test_an_empty_device_list_is_rejected(monkeypatch):
-    with pytest.raises(ValueError, match="device_ids is empty.*HINT"):
+def test_an_empty_device_list_is_rejected_with_torchs_types_too(monkeypatch):
+    # torch: RuntimeError("device type could not be determined") without CUDA, IndexError with it
+    with pytest.raises(EmptyListError, match="device_ids is empty.*HINT") as raised:
         data_parallel(_mlp(), torch.randn(4, 5), device_ids=[])
+    assert all(isinstance(raised.value, t) for t in (ValueError, RuntimeError, IndexError))
+    assert raised.value.argument == "device_ids"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match="device_ids is empty.*HINT"):
+    with pytest.raises(IndexError, match="device_ids is empty.*HINT"):
         DataParallel(_mlp(), device_ids=[])
+
+
+def test_is_a_torch_data_parallel_to_code_that_unwraps_it():
+    model = DataParallel(_mlp(), device_ids=["cpu"] * 2)
+    assert isinstance(model, nn.DataParallel) and isinstance(model, nn.parallel.DataParallel)
+    unwrapped = model.module if isinstance(model, nn.DataParallel) else model
+    assert unwrapped is model.module
+    # torch's own checks see it too: the stateless API refuses a DataParallel, as torch's
+    with pytest.raises(RuntimeError, match="stateless API can't be used with nn.DataParallel"):
+        torch.func.functional_call(model, dict(model.named_parameters()), (torch.randn(4, 5),))
 
 
 def test_a_batch_dim_out_of_range_names_dim_and_shape():

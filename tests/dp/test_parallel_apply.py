@@ -81,6 +81,17 @@ def test_grad_mode_of_the_caller_is_used_in_every_thread():
     assert [m.seen["grad"] for m in modules] == [True, True] and all(o.requires_grad for o in outputs)
 
 
+def test_inference_mode_of_the_caller_is_used_in_every_thread():
+    # torch carries only grad mode: a training BatchNorm's in-place update of an inference buffer fails
+    layers = [nn.BatchNorm1d(4) for _ in range(3)]
+    with torch.inference_mode():
+        inputs = [torch.randn(2, 4) for _ in layers]  # inference tensors, made in the caller's mode
+        outputs = parallel_apply(layers, inputs)
+    assert all(o.is_inference() for o in outputs)
+    assert [int(b.num_batches_tracked) for b in layers] == [1, 1, 1]
+    assert not parallel_apply(layers, [torch.randn(2, 4)] * 3)[0].is_inference()
+
+
 def test_cpu_autocast_of_the_caller_is_used_in_every_thread():
     torch.manual_seed(0)
     layers = [nn.Linear(4, 4) for _ in range(2)]

@@ -42,6 +42,30 @@ def test_gradients_of_all_replicas_accumulate_into_the_original(devices):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+@pytest.mark.parametrize("devices", DEVICES)
+@pytest.mark.parametrize("make", [lambda: nn.Embedding(10, 3, sparse=True),
+                                  lambda: nn.EmbeddingBag(10, 3, mode="sum", sparse=True)],
+                         ids=["embedding", "embedding_bag"])
+def test_sparse_gradients_of_all_replicas_accumulate_into_the_original(devices, make):
+    torch.manual_seed(0)
+    net = make().to(devices[0])
+    reference = copy.deepcopy(net)
+    x = torch.randint(0, 10, (4 * len(devices), 2), device=devices[0])
+    chunks = x.chunk(len(devices))
+    reference(x).sum().backward()
+    replicas = replicate(net, devices)
+    sum(r(c.to(d)).sum() for r, c, d in zip(replicas, chunks, devices)).backward()
+    assert net.weight.grad.is_sparse
+    torch.testing.assert_close(net.weight.grad.to_dense(), reference.weight.grad.to_dense())
+
+
+def test_an_unused_parameter_of_every_replica_keeps_no_gradient():
+    net = nn.ModuleDict({"used": nn.Linear(3, 3), "unused": nn.Linear(3, 3)})
+    for replica in replicate(net, ["cpu"] * 3):
+        replica["used"](torch.randn(2, 3)).sum().backward()
+    assert net["unused"].weight.grad is None and net["used"].weight.grad is not None
+
+
 def test_the_first_replica_shares_buffers_so_its_running_stats_are_kept():
     net = _net()
     replicas = replicate(net, ["cpu"] * 3)

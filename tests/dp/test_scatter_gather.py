@@ -115,6 +115,20 @@ def test_scatter_rejects_an_empty_device_list():
         scatter(torch.zeros(4), [])
 
 
+def test_gather_of_nothing_raises_torchs_index_error_naming_outputs():
+    with pytest.raises(IndexError, match="gather: outputs is empty") as raised:
+        gather([], "cpu")
+    assert isinstance(raised.value, ValueError) and raised.value.argument == "outputs"
+
+
+def test_gather_of_dicts_with_other_keys_raises_torchs_key_error_readably():
+    outputs = [{"a": torch.ones(1)}, {"b": torch.ones(1)}]
+    with pytest.raises(KeyError) as raised:
+        gather(outputs, "cpu")
+    assert isinstance(raised.value, ValueError) and raised.value.found == [["a"], ["b"]]
+    assert str(raised.value) == "all replica outputs must be dicts with the same keys, but found [['a'], ['b']]"
+
+
 def test_scatter_rejects_a_bad_device_name():
     with pytest.raises(ValueError, match=r"target_devices\[1\] 'gpu7' is not a device name"):
         scatter(torch.zeros(4), ["cpu", "gpu7"])
