@@ -77,8 +77,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         stall_timeout: seconds a collective may wait before every rank reports where it is, and a
             certain deadlock ends the job with exit code ``ddpkit.HANG_EXIT_CODE``; default
             ``DDPKIT_STALL_TIMEOUT`` or 60; 0 turns the watchdog off.
-        check_collectives: compare every collective's op, dtype, shape and call site across ranks
-            before it runs (default ``DDPKIT_CHECK_COLLECTIVES``, off).
+        check_collectives: compare every collective's op, reduction, dtype, shape and call site across
+            ranks before it runs (default ``DDPKIT_CHECK_COLLECTIVES``, off).
 
     Returns:
         The detected ``DistEnv`` with ``backend`` (None in the single-process fallback) and ``device``

@@ -113,6 +113,12 @@ def strict_same_size(rank: int) -> None:
         dist.all_reduce(b)  # <- strict-1
 
 
+def strict_other_reduction(rank: int) -> None:
+    """Same line, dtype and shape, another reduction: runs fine without strict mode, mixing sum and max."""
+    t = torch.ones(3) * (rank + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM)  # <- strict-op
+
+
 def strict_agree(rank: int) -> None:
     for _ in range(3):
         t = torch.ones(5)

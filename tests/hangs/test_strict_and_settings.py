@@ -1,6 +1,8 @@
 """Strict mode (every collective compared across ranks before it runs) and the settings' validation."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from jobs import line_of, run_job
 from ranks import run_ranks
@@ -23,6 +25,25 @@ def test_strict_mode_names_a_same_size_mismatch_from_different_lines(tmp_path):
 def test_without_strict_mode_the_same_mismatch_passes_silently(tmp_path):
     job = run_job("strict_same_size", 2, tmp_path)
     assert job.codes == [0, 0], job.log()
+
+
+def _strict_other_reduction():
+    from scenarios import strict_other_reduction
+
+    from ddpkit.errors import CollectiveMismatchError
+    try:
+        strict_other_reduction(ddpkit.get_rank())
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_strict_mode_names_a_reduction_that_differs_between_ranks():
+    texts = run_ranks(_strict_other_reduction, 2, env={"DDPKIT_CHECK_COLLECTIVES": "1"})
+    site = re.escape(line_of("strict-op"))
+    for text in texts:
+        assert re.search(rf"rank 0: all_reduce float32\[3\] at \S*{site}", text), text
+        assert re.search(rf"rank 1: all_reduce float32\[3\], op=max at \S*{site}", text), text
 
 
 def _strict_agree_and_error_facts():

@@ -58,13 +58,24 @@ def _short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:200]
 
 
+def _reduction_name(op: Any) -> str:
+    """A reduction's name, the same on every rank: ``max`` for ``ReduceOp.MAX`` (a ``RedOpType``),
+    ``sum`` for the default (None); a premultiplied sum is a ``ReduceOp`` object of its own."""
+    if op is None:
+        return "sum"
+    name = getattr(op, "name", None)
+    return name.lower() if isinstance(name, str) else "premul_sum" if isinstance(op, dist.ReduceOp) else str(op)
+
+
 class Record:
     """One collective on one rank: what, where, when; ``end`` stays None while it is outstanding."""
 
-    __slots__ = ("seq", "op", "tensor", "root", "site", "via", "start", "end", "work", "error")
+    __slots__ = ("seq", "op", "tensor", "root", "reduction", "site", "via", "start", "end", "work", "error")
 
-    def __init__(self, seq: int, op: str, tensor: Any, root: Any, site: Site | None, via: str | None) -> None:
+    def __init__(self, seq: int, op: str, tensor: Any, root: Any, site: Site | None, via: str | None,
+                 reduction: str | None = None) -> None:
         self.seq, self.op, self.root, self.site, self.via = seq, op, root, site, via
+        self.reduction = reduction  # for the reductions only: "sum", "max", ...
         # dtype and shape only: holding the tensor would keep its memory alive in the ring
         if isinstance(tensor, (list, tuple)):
             self.tensor = (len(tensor), tensor[0].dtype, tuple(tensor[0].shape)) if tensor else (0, None, ())
@@ -81,6 +92,8 @@ class Record:
             text = text if count is None else f"{count} x {text}"
         if self.root is not None:
             text = f"{text} {'from' if self.op in ('broadcast', 'scatter') else 'to'} rank {self.root}".strip()
+        if self.reduction not in (None, "sum"):  # sum, the default, goes unsaid
+            text = f"{text}, op={self.reduction}"
         return text
 
     def describe(self, now: float) -> dict[str, Any]:
@@ -167,6 +180,7 @@ class Recorder:
         group_at, async_at = names.index("group"), names.index("async_op")
         tensor_at = names.index(tensor_arg) if tensor_arg else None
         root_at = names.index(root_arg) if root_arg else None
+        reduce_at = names.index("op") if "op" in names else None  # the reductions: strict mode compares it
         inside, logs = self._inside, self.logs
 
         @functools.wraps(fn)
@@ -184,8 +198,11 @@ class Recorder:
                       if tensor_at is not None and len(args) > tensor_at else None)
             root = (kwargs.get(root_arg) if root_arg in kwargs else args[root_at]
                     if root_at is not None and len(args) > root_at else None)
+            reduction = (kwargs.get("op") if "op" in kwargs else args[reduce_at]
+                         if reduce_at is not None and len(args) > reduce_at else None)
             site, via = call_site()
-            record = Record(log.seq, op, tensor, root, site, via)
+            record = Record(log.seq, op, tensor, root, site, via,
+                            _reduction_name(reduction) if reduce_at is not None else None)
             if log.pending:
                 log.settle(record.start)
             log.ring.append(record)

@@ -1,10 +1,10 @@
 """Strict mode (``DDPKIT_CHECK_COLLECTIVES=1``): compare each collective across ranks before it runs.
 
 A collective that would not hang can still be wrong: two ranks reducing same-sized tensors from
-different lines mix unrelated values, silently. Here every rank publishes (op, dtype, shape, call
-site) for (group, sequence number) and reads the other members' before the collective runs, so the
-first difference raises on every rank, naming both sides. It costs a few store round trips per
-collective (see the README), which is why it is opt-in.
+different lines, or with different reductions, mix unrelated values, silently. Here every rank
+publishes (op, reduction, dtype, shape, call site) for (group, sequence number) and reads the other
+members' before the collective runs, so the first difference raises on every rank, naming both
+sides. It costs a few store round trips per collective (see the README), which is why it is opt-in.
 """
 from __future__ import annotations
 
