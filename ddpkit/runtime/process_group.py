@@ -37,7 +37,10 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""How long a rendezvous or a collective may wait; torch's own default is 30 minutes."""
+"""How long a rendezvous may wait when ``init()`` is given no timeout. Collectives then keep torch's
+own default (30 minutes, NCCL's 10): a rank that is merely slow (an evaluation on rank 0, a long
+save) must not end a job that runs under torch, and the hang report explains it after
+``stall_timeout`` anyway."""
 
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
@@ -73,7 +76,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     Args:
         backend: "nccl", "gloo", ...; default NCCL when CUDA is usable, else Gloo (also read from
             ``DDPKIT_BACKEND``).
-        timeout: seconds or a timedelta for the rendezvous and for every collective; default 5 minutes.
+        timeout: seconds or a timedelta for the rendezvous and for every collective; by default 5
+            minutes for the rendezvous and torch's default for collectives (30 minutes, NCCL's 10).
         stall_timeout: seconds a collective may wait before every rank reports where it is, and a
             certain deadlock ends the job with exit code ``ddpkit.HANG_EXIT_CODE``; default
             ``DDPKIT_STALL_TIMEOUT`` or 60; 0 turns the watchdog off.
@@ -91,6 +95,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
     given = {"timeout": timeout, "stall_timeout": stall_timeout, "check_collectives": check_collectives}
+    collective_timeout = None if timeout is None else _as_timedelta(timeout)  # None: torch's default
     timeout = _as_timedelta(timeout)
     settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
     chosen = {"timeout": timeout, "stall_timeout": settings.stall_timeout,
@@ -112,14 +117,14 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
             # serves CPU tensors too, so user code may reduce tensors on either device.
             hook = sys.excepthook
             dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
-                                    store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                                    store=dist.HashStore(), rank=0, world_size=1, timeout=collective_timeout)
             if env.launcher == "single":  # no ranks to tell apart: no "[rank0]: " before every traceback line
                 sys.excepthook = hook
         else:
             _dump_stacks_on_fatal_signals()
             store = rendezvous(env, timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,
-                                    world_size=env.world_size, timeout=timeout)
+                                    world_size=env.world_size, timeout=collective_timeout)
         atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs
         atexit.register(_let_collective_threads_settle)
     if _watch[0] is not None:  # the group it watched was destroyed behind shutdown()'s back

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import rank_env, run_ranks
+from torch.distributed.constants import default_pg_timeout
 
 import ddpkit
 
@@ -91,19 +92,34 @@ def test_init_and_shutdown_in_a_real_world(world):
         assert not still_initialized
 
 
+def _collective_timeout() -> float:
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
 def _join_three_times():
-    sums = []
-    for round_ in range(1, 4):
-        env = ddpkit.init(backend="gloo", timeout=30)
+    sums, timeouts = [], []
+    for round_, timeout in zip(range(1, 4), (30, None, 30)):
+        env = ddpkit.init(backend="gloo", timeout=timeout)
         sums.append(ddpkit.all_reduce(torch.tensor([float(env.rank + round_)])).item())
+        timeouts.append(_collective_timeout())
         ddpkit.shutdown()
-    return sums
+    return sums, timeouts
 
 
 @pytest.mark.timeout(60)
 def test_init_after_shutdown_meets_on_fresh_keys_of_the_launchers_store():
-    for rank_sums in run_ranks(_join_three_times, 2, init=False):
-        assert rank_sums == [3.0, 5.0, 7.0]
+    # and collectives keep torch's default timeout unless init() is given one
+    torchs = default_pg_timeout.total_seconds()
+    for rank_sums, timeouts in run_ranks(_join_three_times, 2, init=False):
+        assert rank_sums == [3.0, 5.0, 7.0] and timeouts == [30, torchs, 30]
+
+
+def test_collectives_keep_torchs_default_timeout_unless_given_one(single_process):
+    ddpkit.init()
+    assert _collective_timeout() == default_pg_timeout.total_seconds() == 1800
+    ddpkit.shutdown()
+    ddpkit.init(timeout=7)
+    assert _collective_timeout() == 7
 
 
 def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
