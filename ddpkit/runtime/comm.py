@@ -8,6 +8,7 @@ until ``ddpkit.init()`` has joined them, instead of leaving each rank with its o
 from __future__ import annotations
 
 import ctypes
+import operator
 import pickle
 from typing import Any, Sequence
 
@@ -129,6 +130,10 @@ def _check_src(src: int, group, op: str) -> int:
     """The group's size, once ``src`` is known to be one of its (global) ranks."""
     world_size = _world_size(group, op)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    try:  # any integer type, numpy's included, as torch takes it
+        src = src if isinstance(src, bool) else operator.index(src)
+    except TypeError:
+        pass
     if isinstance(src, bool) or not isinstance(src, int) or src not in members:
         raise ValueError(explain(f"src={src!r} is not a rank of this group (its ranks are {members}).",
                                  "src is a global rank, as in torch.distributed.broadcast."))

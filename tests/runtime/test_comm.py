@@ -52,6 +52,14 @@ def test_mean_of_an_integer_tensor_is_refused():
         ddpkit.reduce_scatter(torch.arange(4), "mean")
 
 
+def test_src_may_be_any_integer_type_as_in_torch():
+    np = pytest.importorskip("numpy")
+    t = torch.tensor([1.0])
+    assert ddpkit.broadcast(t, src=np.int64(0)) is t and ddpkit.broadcast_object("x", src=np.int32(0)) == "x"
+    with pytest.raises(ValueError, match=r"src=1\.0 is not a rank of this group"):
+        ddpkit.broadcast(t, src=1.0)
+
+
 def test_non_tensor_input_is_refused():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got list"):
         ddpkit.all_reduce([1.0])

@@ -73,6 +73,11 @@ TORCHRUN_ERRORS = [
                                r"process\. HINT: .*--nnodes"),
         ({**TORCHRUN, "GROUP_WORLD_SIZE": "9"}, r"GROUP_WORLD_SIZE=9 is larger than WORLD_SIZE=8"),
         ({**TORCHRUN, "GROUP_WORLD_SIZE": "0"}, r"GROUP_WORLD_SIZE=0 must be >= 1"),
+        ({**TORCHRUN, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"},
+         r"^GROUP_WORLD_SIZE=1 says the job is on one node, but WORLD_SIZE=8 and LOCAL_WORLD_SIZE=2 differ"),
+        # torch takes sizes as C ints: larger ones failed in TCPStore's constructor, naming nothing
+        ({**TORCHRUN, "WORLD_SIZE": "2147483648"}, r"^WORLD_SIZE=2147483648 is too large: .* at most 2147483647"),
+        ({**TORCHRUN, "RANK": "99999999999999999999999"}, r"^RANK=99999999999999999999999 is too large"),
         # a node's ranks are consecutive: two processes of one node would share LOCAL_RANK (a GPU)
         ({**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
          r"RANK=0 and LOCAL_RANK=1 disagree: .* would start at rank -1"),
@@ -263,6 +268,15 @@ def test_mpi_over_several_nodes_needs_master_addr():
 def test_on_one_node_the_local_rank_must_be_the_rank(environ, message):
     with pytest.raises(ValueError, match=message + r".*HINT: .*share a GPU"):
         detect(environ)
+
+
+def test_mpi_local_size_larger_than_the_job_is_refused():
+    environ = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    with pytest.raises(LauncherVariableError, match=r"^OMPI_COMM_WORLD_LOCAL_SIZE=4 is larger than "
+                                                    r"OMPI_COMM_WORLD_SIZE=2") as raised:
+        detect(environ)
+    assert (raised.value.variable, raised.value.value) == ("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
 
 
 def test_mpi_rank_out_of_range():

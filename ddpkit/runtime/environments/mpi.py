@@ -11,6 +11,7 @@ from typing import Mapping
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LOOPBACK, DistEnv
 from ddpkit.runtime.environments.ports import mpi_port
 from ddpkit.runtime.environments.variables import (
+    check_local_size,
     check_one_node,
     check_rank,
     read_int,
@@ -53,6 +54,8 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     if local_rank is None:
         local_rank = rank % local_world_size
     check_rank(local_rank_name, local_rank, local_size_name, local_world_size)
+    check_local_size(local_size_name, local_world_size, size_name, world_size,
+                     f"the launcher and the job disagree on the number of processes; check {local_size_name}.")
     check_one_node(rank_name, rank, local_rank_name, local_rank, local_world_size, world_size)
     node_rank = _mpi_node(rank, world_size, local_rank, local_world_size)
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, DistEnv
-from ddpkit.runtime.environments.variables import check_rank, read_int, read_master_port, read_optional_int, refuse
+from ddpkit.runtime.environments.variables import (
+    check_local_size,
+    check_rank,
+    read_int,
+    read_master_port,
+    read_optional_int,
+    refuse,
+)
 
 __all__ = ["from_torchrun"]
 
@@ -37,10 +44,7 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     if local_rank is None:
         local_rank = rank % local_world_size
     check_rank("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
-    if local_world_size > world_size:
-        raise refuse("LOCAL_WORLD_SIZE", local_world_size,
-                     f"LOCAL_WORLD_SIZE={local_world_size} is larger than WORLD_SIZE={world_size}: a node "
-                     "cannot hold more processes than the whole job.",
+    check_local_size("LOCAL_WORLD_SIZE", local_world_size, "WORLD_SIZE", world_size,
                      "set LOCAL_WORLD_SIZE to the processes on this node (torchrun's --nproc-per-node), "
                      "at most WORLD_SIZE.")
     _check_consecutive(rank, local_rank, local_world_size, world_size, "LOCAL_WORLD_SIZE" in environ)
@@ -50,6 +54,11 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                      f"GROUP_WORLD_SIZE={num_nodes} is larger than WORLD_SIZE={world_size}: every node runs "
                      "at least one process.",
                      "set GROUP_WORLD_SIZE to the number of nodes (torchrun's --nnodes), at most WORLD_SIZE.")
+    if num_nodes == 1 and "LOCAL_WORLD_SIZE" in environ and local_world_size != world_size:
+        raise refuse("GROUP_WORLD_SIZE", num_nodes,
+                     f"GROUP_WORLD_SIZE=1 says the job is on one node, but WORLD_SIZE={world_size} and "
+                     f"LOCAL_WORLD_SIZE={local_world_size} differ: on one node they are the same.",
+                     "check GROUP_WORLD_SIZE (torchrun's --nnodes) and LOCAL_WORLD_SIZE (--nproc-per-node).")
     node_rank = read_optional_int(environ, "GROUP_RANK")
     if node_rank is None:
         node_rank = rank // local_world_size

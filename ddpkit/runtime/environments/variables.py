@@ -13,7 +13,7 @@ from typing import Mapping
 from ddpkit.errors import LauncherVariableError, explain
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 
-__all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "check_one_node",
+__all__ = ["read_int", "read_optional_int", "first_set", "check_rank", "check_local_size", "check_one_node",
            "read_master_port", "refuse"]
 
 
@@ -21,6 +21,10 @@ def refuse(variable: str, value: object, what: str, hint: str) -> LauncherVariab
     """The error for launcher variable ``variable`` (``value``: as read, or None when unset)."""
     return LauncherVariableError(explain(what, hint), variable=variable,
                                  value=None if value is None else str(value))
+
+
+_INT_MAX = 2**31 - 1
+"""torch takes ranks and sizes as C ints: a larger value fails deep in TCPStore's constructor."""
 
 
 def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str | None = None) -> int:
@@ -34,6 +38,9 @@ def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str 
     if value < minimum:
         raise refuse(name, raw, f"{name}={value} must be >= {minimum}.",
                      hint or f"set {name} to a whole number >= {minimum}, or unset it.")
+    if value > _INT_MAX:
+        raise refuse(name, raw, f"{name}={value} is too large: torch takes it as a 32-bit integer, at most "
+                     f"{_INT_MAX}.", f"set {name} to the job's real count, or unset it.")
     return value
 
 
@@ -52,6 +59,14 @@ def check_rank(rank_name: str, rank: int, size_name: str, size: int, described: 
         raise refuse(rank_name, rank, f"{rank_name}={rank} is out of range for "
                      f"{described or f'{size_name}={size}'}: {rank_name} must be in [0, {size}).",
                      hint or f"the launcher and the job disagree on the number of processes; check {size_name}.")
+
+
+def check_local_size(local_size_name: str, local_size: int, size_name: str, size: int, hint: str) -> None:
+    """A node cannot hold more processes than the whole job."""
+    if local_size > size:
+        raise refuse(local_size_name, local_size,
+                     f"{local_size_name}={local_size} is larger than {size_name}={size}: a node cannot hold "
+                     "more processes than the whole job.", hint)
 
 
 def check_one_node(rank_name: str, rank: int, local_name: str, local_rank: int,
