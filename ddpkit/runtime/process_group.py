@@ -221,7 +221,9 @@ def _plan(environ: Mapping[str, str], backend: str | None) -> tuple[DistEnv, str
     """The DistEnv ``init()`` returns, and the backend its group is made with (a world of one started
     without a launcher has one, though its DistEnv reports None)."""
     env = detect(environ)
-    backend = _choose_backend(backend or environ.get("DDPKIT_BACKEND") or None)
+    from_environment = not backend and bool(environ.get("DDPKIT_BACKEND"))
+    backend = _choose_backend(backend or environ.get("DDPKIT_BACKEND") or None,
+                              "DDPKIT_BACKEND" if from_environment else "backend")
     device = _choose_device(backend, env)
     return env.replace(backend=None if env.launcher == "single" else backend, device=device), backend
 
@@ -232,23 +234,24 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if isinstance(timeout, timedelta):
         if timeout <= timedelta(0):
             raise ValueError(explain(f"timeout={timeout!r} must be a positive duration.",
-                                     "the default is 5 minutes; pass e.g. timedelta(minutes=10)."))
+                                     "pass e.g. timedelta(minutes=10), or None for the defaults."))
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
         raise ValueError(explain(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
-                                 "timedelta.", "the default is 5 minutes; pass e.g. timeout=600."))
+                                 "timedelta.", "pass e.g. timeout=600, or None for the defaults."))
     return timedelta(seconds=timeout)
 
 
-def _choose_backend(backend: str | None) -> str:
+def _choose_backend(backend: str | None, named: str = "backend") -> str:
+    """``named``: where ``backend`` came from, for the error (init's argument or DDPKIT_BACKEND)."""
     if backend is None:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     backend = backend.lower()
     if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {_BACKENDS}.")
+        raise ValueError(f"{named}={backend!r} is not one of {_BACKENDS}.")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(explain("backend='nccl' needs CUDA, and torch.cuda.is_available() is False.",
-                                 "use backend='gloo' on CPU."))
+        raise ValueError(explain(f"{named}='nccl' needs CUDA, and torch.cuda.is_available() is False.",
+                                 f"use {named}='gloo' on CPU."))
     return backend
 
 

@@ -65,6 +65,13 @@ def test_bad_backend_is_named(single_process, backend, message):
         ddpkit.init(backend=backend)
 
 
+def test_a_bad_backend_from_the_environment_names_the_variable(single_process, monkeypatch):
+    monkeypatch.setenv("DDPKIT_BACKEND", "bogus")
+    with pytest.raises(ValueError, match=r"^DDPKIT_BACKEND='bogus' is not one of"):
+        ddpkit.init()
+    assert ddpkit.init(backend="gloo").world_size == 1  # the argument wins over the variable
+
+
 @pytest.mark.parametrize("timeout", [-1, 0, float("nan"), float("inf"), "10"])
 def test_bad_timeout_is_named(single_process, timeout):
     with pytest.raises(ValueError, match=rf"timeout={re.escape(repr(timeout))} must be a positive, finite number"):
