@@ -83,11 +83,18 @@ def _check_tensor(name: str, tensor: Any) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
 
 
+def _divides_first(name: str, tensor: torch.Tensor) -> bool:
+    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504): such a
+    mean divides before the sum, as torch's DDP divides its gradients; wider types divide after."""
+    return name in ("mean", "avg") and tensor.is_floating_point() and tensor.element_size() <= 2
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; returns it.
 
     ``op`` is "sum", "mean", "max", "min" or "product", or torch's ``dist.ReduceOp`` of the same name
-    (``ReduceOp.AVG`` is "mean").
+    (``ReduceOp.AVG`` is "mean"). A mean needs a floating-point tensor; a 16-bit one is divided
+    before the sum, so that the sum cannot overflow where the mean would not.
     """
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
@@ -95,8 +102,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     world_size = _world_size(group, "all_reduce")
     if world_size == 1:
         return tensor
+    first = _divides_first(name, tensor)
+    if first:
+        tensor.div_(world_size)
     dist.all_reduce(tensor, op=reduce_op, group=group)
-    if name in ("mean", "avg"):
+    if name in ("mean", "avg") and not first:
         tensor.div_(world_size)
     return tensor
 
@@ -227,6 +237,9 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
     if world_size == 1:
         return chunks[0].clone()
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)
+    first = _divides_first(name, chunks[rank])
+    if first:  # new tensors: the caller's inputs stay as they were
+        chunks = [c / world_size for c in chunks]
     if dist.get_backend(group) == "nccl" and same_shapes:
         out = torch.empty_like(chunks[rank])
         dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=reduce_op, group=group)
@@ -235,7 +248,7 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
         dist.all_reduce(flat, op=reduce_op, group=group)
         start = sum(c.numel() for c in chunks[:rank])
         out = flat[start:start + chunks[rank].numel()].view_as(chunks[rank]).clone()
-    if name in ("mean", "avg"):
+    if name in ("mean", "avg") and not first:
         out.div_(world_size)
     return out
 
