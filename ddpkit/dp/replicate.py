@@ -69,7 +69,8 @@ def _copies_for(tensors: list[torch.Tensor], device: torch.device, *, first: boo
     """One replica's copies of ``tensors``; those that need an autograd edge on their own device share
     one ``_Alias`` node."""
     aliased = [i for i, t in enumerate(tensors) if _differentiable_alias(t, device, detach)]
-    copies = [_copy_to(t, device, first=first, detach=detach, alias=alias) if i not in set(aliased) else t
+    skip = set(aliased)
+    copies = [t if i in skip else _copy_to(t, device, first=first, detach=detach, alias=alias)
               for i, t in enumerate(tensors)]
     if aliased:
         for i, view in zip(aliased, _Alias.apply(*(tensors[i] for i in aliased))):
