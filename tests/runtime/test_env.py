@@ -145,7 +145,16 @@ SLURM_ERRORS = [
          r"SLURM_NTASKS=7 disagrees with SLURM_TASKS_PER_NODE='2\(x4\)' = 8 tasks"),
         ({"SLURM_NODEID": "4"}, r"SLURM_NODEID=4 is out of range for SLURM_JOB_NUM_NODES=4"),
         ({"SLURM_NTASKS_PER_NODE": "2(3)"}, r"SLURM_NTASKS_PER_NODE='2\(3\)' is not in SLURM's format"),
+        # a node count and the node list of its own pair must agree (SLURM sets both)
+        ({"SLURM_JOB_NUM_NODES": "5"}, r"^SLURM_JOB_NUM_NODES=5 disagrees with SLURM_JOB_NODELIST, which names 4 "
+                                       r"node\(s\): gpu-01, gpu-02, gpu-03, gpu-07\."),
 ]
+
+
+def test_a_steps_node_count_may_be_smaller_than_the_jobs_node_list():
+    env = detect({**SLURM, "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+                  "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"})
+    assert (env.rank, env.world_size, env.local_world_size, env.node_rank) == (1, 2, 2, 0)
 
 
 @pytest.mark.parametrize("changes, message", SLURM_ERRORS)

@@ -37,6 +37,8 @@ _SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
 _MPIRUN_RANKS = ("OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _SLURM_STEP_ONLY = ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST")
 _SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_NODE_COUNT_OF = {"SLURM_STEP_NODELIST": "SLURM_STEP_NUM_NODES", "SLURM_JOB_NODELIST": "SLURM_JOB_NUM_NODES",
+                  "SLURM_NODELIST": "SLURM_NNODES"}
 
 
 def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
@@ -48,6 +50,7 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     hosts = _hostlist(environ, nodelist_name) if nodelist_name else []
     world_size = read_int(environ, tasks_name, minimum=1) if tasks_name else None
     num_nodes = read_int(environ, nodes_name, minimum=1) if nodes_name else len(hosts) or None
+    _check_node_count(nodes_name, num_nodes, nodelist_name, hosts)
     counts, layout, layout_name = _slurm_layout(environ, rank, world_size, num_nodes)
     world_size = sum(counts) if world_size is None else world_size
     tasks = f"{tasks_name}={world_size}" if tasks_name else f"the {world_size} task(s) of {layout}"
@@ -122,6 +125,19 @@ def _outside_a_step(environ: Mapping[str, str]) -> bool:
                      "start the script with srun inside the batch script, e.g. 'srun python train.py' "
                      "(or sbatch --wrap 'srun python train.py'); srun starts one task per --ntasks.")
     return False  # a single-task batch script: a world of one, as SLURM_PROCID=0 of 1 says
+
+
+def _check_node_count(nodes_name: str | None, num_nodes: int | None, nodelist_name: str | None,
+                      hosts: list[str]) -> None:
+    """A node count and the node list of its own pair name as many nodes. Counts and lists of other
+    pairs may differ: a step (srun) may run on part of the job's allocation."""
+    if not (nodes_name and hosts) or _NODE_COUNT_OF.get(nodelist_name or "") != nodes_name:
+        return
+    if num_nodes != len(hosts):
+        raise refuse(nodes_name, num_nodes,
+                     f"{nodes_name}={num_nodes} disagrees with {nodelist_name}, which names {len(hosts)} "
+                     f"node(s): {', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''}.",
+                     "run under srun or sbatch, which set both, or make the two agree.")
 
 
 def _hostlist(environ: Mapping[str, str], name: str) -> list[str]:
