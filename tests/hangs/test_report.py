@@ -40,6 +40,16 @@ def test_one_rank_elsewhere_in_a_large_job_is_one_line_and_slow():
     assert not report["certain"]
 
 
+def test_a_collective_that_failed_is_not_called_slow():
+    # rank 1's barrier timed out while rank 0 still works elsewhere: an error ends the job, not a hang
+    answers = {0: _state(0, where="eval.py:41 in evaluate()", ranks=2),
+               1: _state(1, [_item(3, op="barrier", what="", error="RuntimeError: Timed out")], ranks=2)}
+    report = _report(answers)
+    assert "  rank 1: was in barrier #3" in report["text"]
+    assert "What next: the collective of rank 1 failed (above); that error ends the job" in report["text"]
+    assert "slow is not wrong" not in report["text"] and not report["certain"]
+
+
 def test_disagreement_is_certain():
     answers = {0: _state(0, [_item(12, site="train.py:50 in f()")], ranks=2),
                1: _state(1, [_item(12, op="broadcast", what="int64[3] from rank 0", site="train.py:77 in g()")],

@@ -227,8 +227,15 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     sentences, certain = _judge(answers, missing, answer_seconds)
     if not sentences:
         sentences = ["no rank waits in a collective any more."]
-    after = (f"a certain deadlock: every rank ends now with exit code {exit_code}."
-             if certain else "slow is not wrong: the job goes on; another report follows if this changes.")
+    failed = [r for r, state in sorted(answers.items())
+              if (waiting := _first_waiting(state)) is not None and waiting[0].get("error")]
+    if certain:
+        after = f"a certain deadlock: every rank ends now with exit code {exit_code}."
+    elif failed:  # a timed-out collective has raised there: an error, not a slow rank, ends the job
+        after = (f"the collective of {rank_list(failed)} failed (above); that error ends the job unless the "
+                 "script catches it.")
+    else:
+        after = "slow is not wrong: the job goes on; another report follows if this changes."
     text = "\n".join([_RULE, f"ddpkit hang report (stall_timeout={stall_timeout:g} s, collected by rank "
                       f"{seen_by}). Where each rank is:", *lines, "Verdict:",
                       *(f"  {s}" for s in sentences), f"What next: {after}",
