@@ -95,6 +95,13 @@ def forward_in_param_dtype(module: nn.Module, setting: MixedPrecision, ignore: I
            if name not in skip and p.is_floating_point()}
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
                                  (args, kwargs))
+    if isinstance(module, nn.DataParallel):
+        # functional_call refuses any DataParallel, ddpkit's included; the reparametrization it would
+        # run works on one (the replicas are made from the swapped-in parameters)
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(module, low, strict=False):
+            return module(*args, **kwargs)
     return functional_call(module, low, args, kwargs, strict=False)
 
 

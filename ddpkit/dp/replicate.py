@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -45,45 +45,15 @@ def _can_use_torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.de
     )
 
 
-class _Alias(torch.autograd.Function):
-    """Views of tensors, one autograd node for all of them, whose backward hands each gradient back
-    as it comes. A plain ``view_as`` records a view's backward, which reshapes the gradient: a sparse
-    one (``nn.Embedding(sparse=True)``) is refused there."""
-
-    @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return grads
-
-
-def _differentiable_alias(t: torch.Tensor, device: torch.device, detach: bool) -> bool:
-    return not detach and t.requires_grad and t.device == device
-
-
-def _copies_for(tensors: list[torch.Tensor], device: torch.device, *, first: bool, detach: bool,
-                alias: bool) -> list[torch.Tensor]:
-    """One replica's copies of ``tensors``; those that need an autograd edge on their own device share
-    one ``_Alias`` node."""
-    aliased = [i for i, t in enumerate(tensors) if _differentiable_alias(t, device, detach)]
-    skip = set(aliased)
-    copies = [t if i in skip else _copy_to(t, device, first=first, detach=detach, alias=alias)
-              for i, t in enumerate(tensors)]
-    if aliased:
-        for i, view in zip(aliased, _Alias.apply(*(tensors[i] for i in aliased))):
-            copies[i] = view
-    return copies
-
-
 def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool, detach: bool, alias: bool) -> torch.Tensor:
-    """One replica's copy of ``t`` (not a differentiable one on its own device, see ``_Alias``): the
-    tensor itself, an aliasing view, or a copy on ``device``."""
+    """One replica's copy of ``t``: the tensor itself, an aliasing view, or a copy on ``device``."""
     same_device = t.device == device
     if not detach and t.requires_grad:
-        return t.to(device)  # records an autograd edge back to ``t``
+        # both record an autograd edge back to ``t``. expand_as, not view_as: a view's backward
+        # reshapes the gradient, which a sparse one (nn.Embedding(sparse=True)) refuses; expand's
+        # sums it to the same size, which hands it back as it is. In-place writes under no_grad
+        # (Embedding's max_norm) work on either.
+        return t.expand_as(t) if same_device else t.to(device)
     if same_device and first:
         return t  # torch's contract: the first replica shares the original's tensors
     if same_device and alias:
@@ -103,8 +73,10 @@ def _broadcast(
         return [[] for _ in devices]
     if _can_use_torch_broadcast(tensors, devices):
         return _torch_broadcast(tensors, devices, detach)
-    return [_copies_for(tensors, device, first=j == 0, detach=detach, alias=alias)
-            for j, device in enumerate(devices)]
+    return [
+        [_copy_to(t, device, first=j == 0, detach=detach, alias=alias) for t in tensors]
+        for j, device in enumerate(devices)
+    ]
 
 
 def _check_replicatable(module: nn.Module) -> None:

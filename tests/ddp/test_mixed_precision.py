@@ -145,6 +145,22 @@ def test_buffers_are_cast_at_construction_and_integer_counters_kept():
     assert bn.num_batches_tracked.dtype == torch.int64 and bn.weight.dtype == FP32
 
 
+def test_a_wrapped_data_parallel_runs_in_the_param_dtype_as_its_module_does():
+    # torch.func.functional_call refuses every nn.DataParallel, ddpkit's included
+    setting = _MixedPrecision(param_dtype=BF16)
+    x = torch.randn(8, 6)
+    plain = ddpkit.DDP(_model(bn=False), mixed_precision=setting)
+    wrapped = ddpkit.DDP(ddpkit.DataParallel(_model(bn=False), device_ids=["cpu"] * 2), mixed_precision=setting)
+    out, expected = wrapped(x), plain(x)
+    assert out.dtype == BF16 and torch.equal(out, expected)
+    _loss(out).backward()
+    _loss(expected).backward()
+    for p, q in zip(wrapped.module.module.parameters(), plain.module.parameters()):
+        # two replicas' bf16 gradients summed in fp32 against one bf16 gradient: bf16's rounding apart
+        assert p.dtype == FP32
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=1e-3)
+
+
 def test_a_config_without_the_three_fields_is_refused_by_name():
     with pytest.raises(TypeError, match=r"mixed_precision=.* lacks reduce_dtype, buffer_dtype .* HINT: "):
         ddpkit.DDP(nn.Linear(2, 2), mixed_precision=SimpleNamespace(param_dtype=FP16))

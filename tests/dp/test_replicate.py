@@ -59,6 +59,19 @@ def test_sparse_gradients_of_all_replicas_accumulate_into_the_original(devices, 
     torch.testing.assert_close(net.weight.grad.to_dense(), reference.weight.grad.to_dense())
 
 
+def test_a_replica_may_change_its_parameters_in_place_without_grad():
+    # nn.Embedding's max_norm renormalises the looked-up rows of its weight in place, under no_grad
+    torch.manual_seed(0)
+    net = nn.Embedding(10, 3, max_norm=1.0)
+    net.weight.data.mul_(5)
+    x = torch.randint(0, 10, (6, 2))
+    reference = copy.deepcopy(net)
+    reference(x).sum().backward()
+    sum(r(c).sum() for r, c in zip(replicate(net, ["cpu"] * 3), x.chunk(3))).backward()
+    torch.testing.assert_close(net.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(net.weight, reference.weight)  # the rows were renormalised once, alike
+
+
 def test_an_unused_parameter_of_every_replica_keeps_no_gradient():
     net = nn.ModuleDict({"used": nn.Linear(3, 3), "unused": nn.Linear(3, 3)})
     for replica in replicate(net, ["cpu"] * 3):
