@@ -83,9 +83,9 @@ def _check_tensor(name: str, tensor: Any) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
 
 
-def _divides_first(name: str, tensor: torch.Tensor) -> bool:
-    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504): such a
-    mean divides before the sum, as torch's DDP divides its gradients; wider types divide after."""
+def _widens(name: str, tensor: torch.Tensor) -> bool:
+    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504), and
+    dividing first would lose its small values: such a mean is summed in float32."""
     return name in ("mean", "avg") and tensor.is_floating_point() and tensor.element_size() <= 2
 
 
@@ -93,8 +93,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     """Reduce ``tensor`` over all ranks in place; returns it.
 
     ``op`` is "sum", "mean", "max", "min" or "product", or torch's ``dist.ReduceOp`` of the same name
-    (``ReduceOp.AVG`` is "mean"). A mean needs a floating-point tensor; a 16-bit one is divided
-    before the sum, so that the sum cannot overflow where the mean would not.
+    (``ReduceOp.AVG`` is "mean"). A mean needs a floating-point tensor; a 16-bit one is summed in
+    float32, so that the sum cannot overflow where the mean would not.
     """
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
@@ -102,11 +102,12 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     world_size = _world_size(group, "all_reduce")
     if world_size == 1:
         return tensor
-    first = _divides_first(name, tensor)
-    if first:
-        tensor.div_(world_size)
+    if _widens(name, tensor):
+        wide = tensor.float()
+        dist.all_reduce(wide, op=reduce_op, group=group)
+        return tensor.copy_(wide.div_(world_size))
     dist.all_reduce(tensor, op=reduce_op, group=group)
-    if name in ("mean", "avg") and not first:
+    if name in ("mean", "avg"):
         tensor.div_(world_size)
     return tensor
 
@@ -237,9 +238,9 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
     if world_size == 1:
         return chunks[0].clone()
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)
-    first = _divides_first(name, chunks[rank])
-    if first:  # new tensors: the caller's inputs stay as they were
-        chunks = [c / world_size for c in chunks]
+    narrow = chunks[rank].dtype if _widens(name, chunks[rank]) else None
+    if narrow is not None:  # new tensors: the caller's inputs stay as they were
+        chunks = [c.float() for c in chunks]
     if dist.get_backend(group) == "nccl" and same_shapes:
         out = torch.empty_like(chunks[rank])
         dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=reduce_op, group=group)
@@ -248,9 +249,9 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
         dist.all_reduce(flat, op=reduce_op, group=group)
         start = sum(c.numel() for c in chunks[:rank])
         out = flat[start:start + chunks[rank].numel()].view_as(chunks[rank]).clone()
-    if name in ("mean", "avg") and not first:
+    if name in ("mean", "avg"):
         out.div_(world_size)
-    return out
+    return out if narrow is None else out.to(narrow)
 
 
 def barrier(group=None) -> None:

@@ -17,6 +17,7 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
 from ddpkit.runtime import hangs
@@ -98,7 +99,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     collective_timeout = None if timeout is None else _as_timedelta(timeout)  # None: torch's default
     timeout = _as_timedelta(timeout)
     settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
-    chosen = {"timeout": timeout, "stall_timeout": settings.stall_timeout,
+    chosen = {"timeout": collective_timeout or default_pg_timeout, "stall_timeout": settings.stall_timeout,
               "check_collectives": settings.check_collectives}
     if _state["env"] is not None and dist.is_initialized():
         _check_same_backend(backend)
@@ -123,6 +124,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         else:
             _dump_stacks_on_fatal_signals()
             store = rendezvous(env, timeout)
+            # from here the store waits as long as a collective: strict mode's checks go through it
+            store.set_timeout(collective_timeout or default_pg_timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=collective_timeout)
         atexit.unregister(_let_collective_threads_settle)  # once, however often init() runs

@@ -23,3 +23,12 @@ def test_finished_async_works_are_not_kept_in_the_ring():
     for held, seq in run_ranks(_works_held_after_many_async_collectives, 2):
         assert seq == 41
         assert held == 0
+
+
+def test_a_reductions_name_is_the_same_however_torch_is_given_it():
+    from ddpkit.runtime.hangs.recorder import _reduction_name
+
+    # strict mode compares these names across ranks: ReduceOp(MAX) and ReduceOp.MAX are one reduction
+    assert _reduction_name(dist.ReduceOp.MAX) == _reduction_name(dist.ReduceOp(dist.ReduceOp.MAX)) == "max"
+    assert _reduction_name(None) == _reduction_name(dist.ReduceOp(dist.ReduceOp.SUM)) == "sum"
+    assert _reduction_name(dist.ReduceOp.AVG) == "avg"

@@ -71,8 +71,9 @@ def _every_collective():
     for op in ("sum", "mean", "max", "min", "product"):
         out[op] = ddpkit.all_reduce(torch.tensor([rank + 1.0, -(rank + 1.0)]), op).tolist()
     out["int_sum"] = ddpkit.all_reduce(torch.tensor([rank + 1])).tolist()
-    # a 16-bit sum would overflow (fp16 tops out at 65504) where the mean does not
-    out["half_mean"] = ddpkit.all_reduce(torch.full((2,), 40000.0, dtype=torch.float16), "mean").tolist()
+    # a 16-bit sum would overflow (fp16 tops out at 65504) where the mean does not, and dividing
+    # first would lose the smallest values: summed in float32
+    out["half_mean"] = ddpkit.all_reduce(torch.tensor([40000.0, 5.96e-8], dtype=torch.float16), "mean").tolist()
     half = torch.full((world,), 40000.0, dtype=torch.float16)
     out["half_scatter_mean"] = ddpkit.reduce_scatter(half, "mean").tolist() + half.tolist()
     out["torch_ops"] = [ddpkit.all_reduce(torch.tensor([rank + 1.0]), op).item()
@@ -106,7 +107,7 @@ def test_every_collective_against_hand_computed_values(world):
         assert out["min"] == [1.0, -world]
         assert out["product"] == [product, (-1) ** world * product]
         assert out["int_sum"] == [total]
-        assert out["half_mean"] == [40000.0, 40000.0]
+        assert out["half_mean"] == torch.tensor([40000.0, 5.96e-8], dtype=torch.float16).tolist()
         assert out["half_scatter_mean"] == [40000.0] + [40000.0] * world  # the input is left as it was
         assert out["torch_ops"] == pytest.approx([total, world, total / world])
         assert out["broadcast"] == [world - 1.0] * 2

@@ -78,6 +78,8 @@ TORCHRUN_ERRORS = [
         # torch takes sizes as C ints: larger ones failed in TCPStore's constructor, naming nothing
         ({**TORCHRUN, "WORLD_SIZE": "2147483648"}, r"^WORLD_SIZE=2147483648 is too large: .* at most 2147483647"),
         ({**TORCHRUN, "RANK": "99999999999999999999999"}, r"^RANK=99999999999999999999999 is too large"),
+        ({**TORCHRUN, "MASTER_PORT": "4294967296"}, r"^MASTER_PORT=4294967296 is too large: .*HINT: set MASTER_PORT "
+                                                    r"to a free TCP port in \[1, 65535\]"),
         # a node's ranks are consecutive: two processes of one node would share LOCAL_RANK (a GPU)
         ({**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
          r"RANK=0 and LOCAL_RANK=1 disagree: .* would start at rank -1"),

@@ -108,7 +108,8 @@ def _join_three_times():
     for round_, timeout in zip(range(1, 4), (30, None, 30)):
         env = ddpkit.init(backend="gloo", timeout=timeout)
         sums.append(ddpkit.all_reduce(torch.tensor([float(env.rank + round_)])).item())
-        timeouts.append(_collective_timeout())
+        # the store too, through which strict mode's checks wait
+        timeouts.append((_collective_timeout(), dist.distributed_c10d._get_default_store().timeout.total_seconds()))
         ddpkit.shutdown()
     return sums, timeouts
 
@@ -118,12 +119,15 @@ def test_init_after_shutdown_meets_on_fresh_keys_of_the_launchers_store():
     # and collectives keep torch's default timeout unless init() is given one
     torchs = default_pg_timeout.total_seconds()
     for rank_sums, timeouts in run_ranks(_join_three_times, 2, init=False):
-        assert rank_sums == [3.0, 5.0, 7.0] and timeouts == [30, torchs, 30]
+        assert rank_sums == [3.0, 5.0, 7.0] and timeouts == [(30, 30), (torchs, torchs), (30, 30)]
 
 
 def test_collectives_keep_torchs_default_timeout_unless_given_one(single_process):
     ddpkit.init()
     assert _collective_timeout() == default_pg_timeout.total_seconds() == 1800
+    assert ddpkit.init(timeout=1800).world_size == 1  # the timeout in force, said again
+    with pytest.raises(ValueError, match=r"init\(timeout=300s\) but this process already joined with timeout=1800s"):
+        ddpkit.init(timeout=300)
     ddpkit.shutdown()
     ddpkit.init(timeout=7)
     assert _collective_timeout() == 7

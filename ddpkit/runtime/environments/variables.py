@@ -40,7 +40,7 @@ def read_int(environ: Mapping[str, str], name: str, minimum: int = 0, hint: str 
                      hint or f"set {name} to a whole number >= {minimum}, or unset it.")
     if value > _INT_MAX:
         raise refuse(name, raw, f"{name}={value} is too large: torch takes it as a 32-bit integer, at most "
-                     f"{_INT_MAX}.", f"set {name} to the job's real count, or unset it.")
+                     f"{_INT_MAX}.", hint or f"set {name} to the job's real count, or unset it.")
     return value
 
 

@@ -59,12 +59,17 @@ def _short_error(error: BaseException) -> str:
 
 
 def _reduction_name(op: Any) -> str:
-    """A reduction's name, the same on every rank: ``max`` for ``ReduceOp.MAX`` (a ``RedOpType``),
-    ``sum`` for the default (None); a premultiplied sum is a ``ReduceOp`` object of its own."""
+    """A reduction's name, the same on every rank: ``max`` for ``ReduceOp.MAX`` (a ``RedOpType``) and
+    for ``ReduceOp(ReduceOp.MAX)`` (an object equal to it), ``sum`` for the default (None)."""
     if op is None:
         return "sum"
     name = getattr(op, "name", None)
-    return name.lower() if isinstance(name, str) else "premul_sum" if isinstance(op, dist.ReduceOp) else str(op)
+    if isinstance(name, str):
+        return name.lower()
+    for member in dist.ReduceOp.RedOpType.__members__.values():
+        if op == member:
+            return member.name.lower()
+    return "premul_sum" if isinstance(op, dist.ReduceOp) else str(op)
 
 
 class Record:
