@@ -33,7 +33,8 @@ def in_fresh_processes(fn: Callable[..., Any], *args: Any) -> Any:
     path = os.path.join(holder[0], f"store-{next(_COUNTER)}")
     context = mp.get_context("forkserver")
     # torch.optim's first optimizer imports torch._dynamo: 2 s in every child unless the server has it
-    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", fn.__module__])
+    # (the list counts only before the server's first start: the bench's callers share one module)
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", *filter(None, [fn.__module__])])
     receiver, sender = context.Pipe(duplex=False)
     proc = context.Process(target=_child, args=(rank, world, dist.get_backend(), torch.get_num_threads(),
                                                  path, fn, args, sender), name=f"fresh-rank{rank}")
