@@ -9,6 +9,7 @@ and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.di
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from ddpkit.ddp.arguments import (
 from ddpkit.ddp.compile_support import bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
-from ddpkit.ddp.errors import not_a_module_error, warn_if_all_used
+from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH, not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import find_tensors, to_device
 from ddpkit.ddp.pickling import PicklingSupport
@@ -83,6 +84,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        if static_graph and find_unused_parameters:  # torch's words, as its constructor warns them
+            warnings.warn(FIND_UNUSED_WITH_STATIC_GRAPH, stacklevel=2)
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy  # ddpkit always batches small copies (Note [Big gradients])
         self.require_backward_grad_sync = True  # public: no_sync() sets it, and so may scripts

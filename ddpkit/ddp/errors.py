@@ -23,6 +23,7 @@ from ddpkit.errors import (
 )
 
 __all__ = ["not_a_module_error", "warn_if_create_graph", "late_gradient_warning", "warn_at_user_code",
+           "FIND_UNUSED_WITH_STATIC_GRAPH",
            "second_gradient_error", "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
            "ranks_disagree_error", "refused_elsewhere_error"]
@@ -37,18 +38,28 @@ def not_a_module_error(module: object) -> NotAModuleError:
 
 
 def late_gradient_warning(rank: int, name: str) -> str:
-    """A gradient arrived after its iteration was averaged: a second backward through one graph.
+    """A gradient arrived after its iteration was averaged: a second backward through one graph, or a
+    backward through a forward of the wrapped module called directly.
 
     torch's DDP runs such a backward without a word; its gradients stay local, so the ranks' models
-    drift apart. ddpkit runs it the same way, and says so once.
+    drift apart unless the script means them to be local. ddpkit runs it the same way, and says so
+    once per DDP.
     """
     return explain(
-        f"a gradient for '{name}' arrived after this iteration's gradients were already averaged "
-        "(backward() ran a second time through one forward's graph, or through an earlier "
-        "iteration's). Its gradients are not averaged: each rank keeps its own, as with torch's DDP, "
-        "and the ranks' models drift apart.",
-        "add the losses and call backward() once, or call forward() again before each backward().",
+        f"a gradient for '{name}' arrived after this iteration's gradients were already averaged: "
+        "backward() ran a second time through one forward's graph or an earlier iteration's, or through "
+        "a forward of ddp.module called directly. Such gradients are not averaged: each rank keeps its "
+        "own, as with torch's DDP (said once).",
+        "if they should be averaged, add the losses and call backward() once, or call the DDP's "
+        "forward() before each backward(); if they are meant to stay local, nothing is wrong.",
         who=_DDP, rank=rank)
+
+
+FIND_UNUSED_WITH_STATIC_GRAPH = (
+    "You passed find_unused_parameters=true to DistributedDataParallel, `_set_static_graph` will detect "
+    "unused parameters automatically, so you do not need to set find_unused_parameters=true, just be sure "
+    "these unused parameters will not change during training loop while calling `_set_static_graph`.")
+"""torch's words, warned where torch warns them: static_graph with find_unused_parameters."""
 
 
 _all_used_warned = [False]

@@ -86,7 +86,6 @@ class Iteration:
         """Synced forward pass number ``forward`` ran: its backward is expected."""
         if self.phase is Phase.IDLE or self.phase is Phase.FINALIZED:  # the first of an iteration
             self.phase, self.window_start = Phase.ARMED, forward
-        self.late_warned = False
 
     def disarm(self) -> None:
         """A forward without gradient sync: a gradient now is a local one, not a late one."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddpkit.ddp.ddp_logger import DDPLogger
+from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH
 from ddpkit.ddp.outputs import to_device
 from ddpkit.ddp.sync_batchnorm import SyncBatchNorm
 from ddpkit.dp.scatter_gather import gather, scatter_kwargs
@@ -104,6 +105,8 @@ class TorchCompat:
             self.reducer.set_static_graph()
         self.static_graph = True
         self.logger._set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(FIND_UNUSED_WITH_STATIC_GRAPH, stacklevel=2)
 
     # ---- private state that libraries read -------------------------------------------------
     @property

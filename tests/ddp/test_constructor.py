@@ -58,7 +58,8 @@ class _RankBuffer(nn.Module):
 
 
 _BUFFER_CASES = [{}, {"broadcast_buffers": False}, {"broadcast_buffers": True}, {"forward_sync_buffers": False},
-                 {"broadcast_buffers": False, "forward_sync_buffers": False}, {"check_reduction": True}]
+                 {"broadcast_buffers": False, "forward_sync_buffers": False}, {"check_reduction": True},
+                 {"static_graph": True, "find_unused_parameters": True}]
 
 
 def _buffers_worker() -> list[dict]:
@@ -77,7 +78,9 @@ def _buffers_worker() -> list[dict]:
                          "attrs": (ddp.broadcast_buffers, ddp.forward_sync_buffers),
                          # where: both point at the caller's line, not into DDP
                          "warnings": sorted((w.category.__name__, str(w.message), os.path.basename(w.filename))
-                                            for w in caught if issubclass(w.category, FutureWarning))}
+                                            for w in caught if issubclass(w.category, FutureWarning)),
+                         # torch warns this one from inside its DDP: compared by its words only
+                         "static": [str(w.message) for w in caught if "_set_static_graph" in str(w.message)]}
         out.append(got)
     return out
 
@@ -97,6 +100,8 @@ def test_buffer_sync_and_deprecation_warnings_are_torchs():
     assert [w[::2] for w in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"]] == [
         ("FutureWarning", "test_constructor.py")]
     assert "check_reduction" in rank1[str({"check_reduction": True})]["ddpkit"]["warnings"][0][1]
+    static = rank1[str({"static_graph": True, "find_unused_parameters": True})]["ddpkit"]["static"]
+    assert len(static) == 1 and static[0].startswith("You passed find_unused_parameters=true")
 
 
 def _init_sync_off_worker() -> dict:

@@ -215,7 +215,7 @@ def test_misuse_raises_the_same_named_error_on_every_rank_without_hanging():
         assert len(out["backward_twice"]) == 1, out["backward_twice"]  # once per backward
         assert f"DistributedDataParallel on rank {rank}: a gradient for '2.bias' arrived after this " \
                "iteration's gradients were already averaged" in out["backward_twice"][0]
-        assert "Its gradients are not averaged" in out["backward_twice"][0]
+        assert "Such gradients are not averaged" in out["backward_twice"][0]
         assert "not compatible with static_graph set to True, which says every iteration uses the " \
                "parameters alike" in out["static_graph_grew"]
         assert f"rank {rank}: Your training graph has changed in this iteration: parameter 'shared.bias' " \
