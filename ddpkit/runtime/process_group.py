@@ -96,8 +96,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
     given = {"timeout": timeout, "stall_timeout": stall_timeout, "check_collectives": check_collectives}
-    collective_timeout = None if timeout is None else _as_timedelta(timeout)  # None: torch's default
     timeout = _as_timedelta(timeout)
+    collective_timeout = None if given["timeout"] is None else timeout  # None: torch's default
     settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
     chosen = {"timeout": collective_timeout or default_pg_timeout, "stall_timeout": settings.stall_timeout,
               "check_collectives": settings.check_collectives}
