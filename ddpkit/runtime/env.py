@@ -2,7 +2,7 @@
 
 Sources, first match wins: torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
 (SLURM_PROCID, ...), MPI launchers (Open MPI, MVAPICH, PMI/PMIx), and finally the single-process
-fallback: rank 0 of a world of one. ``detect`` is pure: it reads the mapping it is given and writes
+fallback: rank 0 of a world of one, unless a local or node rank says the process is one of several. ``detect`` is pure: it reads the mapping it is given and writes
 nothing, so every case is testable with a plain dict. Each source is read by its own module in
 ``ddpkit.runtime.environments``; this module fixes their order and is the public face.
 """
@@ -15,7 +15,7 @@ from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LAUNCHERS,
 from ddpkit.runtime.environments.hostlist import expand_hostlist
 from ddpkit.runtime.environments.mpi import from_mpi
 from ddpkit.runtime.environments.slurm import from_slurm
-from ddpkit.runtime.environments.torchrun import from_torchrun
+from ddpkit.runtime.environments.torchrun import from_torchrun, refuse_partial_launch
 
 __all__ = ["DistEnv", "detect", "expand_hostlist", "LAUNCHERS", "DEFAULT_MASTER_PORT"]
 
@@ -35,4 +35,5 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
         env = source(environ)
         if env is not None:
             return env
+    refuse_partial_launch(environ)  # LOCAL_RANK=1 alone: a launch that lost its RANK and WORLD_SIZE
     return DistEnv()

@@ -156,3 +156,30 @@ def test_detect_reads_os_environ_when_given_nothing(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert detect().launcher == "torchrun"
+
+
+@pytest.mark.parametrize("name, value", [("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4"), ("GROUP_RANK", "2"),
+                                         ("GROUP_WORLD_SIZE", "2")])
+def test_a_local_or_node_rank_of_several_without_a_launcher_is_refused(name, value):
+    # each such process would otherwise train alone as rank 0 of a world of one
+    with pytest.raises(LauncherVariableError, match=rf"{name}={value} says this process is one of several.*"
+                       rf"RANK and WORLD_SIZE are unset.*HINT:.*unset {name}") as caught:
+        detect({name: value})
+    assert (caught.value.variable, caught.value.value) == (name, value)
+
+
+def test_a_local_rank_that_fits_one_process_or_beside_a_launcher_is_accepted():
+    assert detect({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}).launcher == "single"
+    # scripts export LOCAL_RANK=$SLURM_LOCALID or $OMPI_COMM_WORLD_LOCAL_RANK beside their launcher's own
+    env = detect({"LOCAL_RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
+    assert (env.launcher, env.rank, env.local_rank) == ("slurm", 1, 1)
+    env = detect({"LOCAL_RANK": "1", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                  "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (env.launcher, env.rank) == ("mpi", 1)
+
+
+def test_slurm_hint_names_the_variables_that_are_set():
+    with pytest.raises(LauncherVariableError, match=r"SLURM_LOCALID=5 .*HINT:.*check SLURM_NTASKS and "
+                       r"SLURM_NNODES\.$"):
+        detect({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_LOCALID": "5",
+                "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1"})

@@ -51,7 +51,7 @@ def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
     world_size = read_int(environ, tasks_name, minimum=1) if tasks_name else None
     num_nodes = read_int(environ, nodes_name, minimum=1) if nodes_name else len(hosts) or None
     _check_node_count(nodes_name, num_nodes, nodelist_name, hosts)
-    counts, layout, layout_name = _slurm_layout(environ, rank, world_size, num_nodes)
+    counts, layout, layout_name = _slurm_layout(environ, rank, world_size, num_nodes, tasks_name, nodes_name)
     world_size = sum(counts) if world_size is None else world_size
     tasks = f"{tasks_name}={world_size}" if tasks_name else f"the {world_size} task(s) of {layout}"
     check_rank("SLURM_PROCID", rank, tasks_name or "SLURM_NTASKS", world_size, tasks)
@@ -148,9 +148,10 @@ def _hostlist(environ: Mapping[str, str], name: str) -> list[str]:
                                     value=environ[name]) from e
 
 
-def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None,
-                  num_nodes: int | None) -> tuple[list[int], str, str]:
-    """The tasks on each node, where that came from, and the variable to check (for messages)."""
+def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None, num_nodes: int | None,
+                  tasks_name: str | None, nodes_name: str | None) -> tuple[list[int], str, str]:
+    """The tasks on each node, where that came from, and the variables to check (for messages):
+    those that are set, so that a hint never names one the job lacks."""
     layout_name = first_set(environ, *_SLURM_LAYOUT)
     if layout_name is not None:
         text = environ[layout_name]
@@ -174,8 +175,9 @@ def _slurm_layout(environ: Mapping[str, str], rank: int, world_size: int | None,
     # nodes taking one more when it does not
     nodes = min(num_nodes or 1, world_size)
     base, extra = divmod(world_size, nodes)
+    given = " and ".join(name for name in (tasks_name, nodes_name) if name) or "SLURM_NTASKS"
     return ([base + 1] * extra + [base] * (nodes - extra),
-            f"{world_size} task(s) spread evenly over {nodes} node(s)", "SLURM_TASKS_PER_NODE")
+            f"{world_size} task(s) spread evenly over {nodes} node(s)", given)
 
 
 def _block_node(counts: list[int], rank: int, layout: str) -> int:

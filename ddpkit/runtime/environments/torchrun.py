@@ -18,7 +18,7 @@ from ddpkit.runtime.environments.variables import (
     refuse,
 )
 
-__all__ = ["from_torchrun"]
+__all__ = ["from_torchrun", "refuse_partial_launch"]
 
 
 def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
@@ -89,6 +89,27 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     launcher = "ddpkit" if environ.get("DDPKIT_LAUNCHER") == "ddpkit" else "torchrun"
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, launcher)
+
+
+# torchrun's variables that, above these values, say the process is one of several
+_SEVERAL = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1}
+
+
+def refuse_partial_launch(environ: Mapping[str, str]) -> None:
+    """Where no launcher describes the job, a local or node rank that says "one of several" is refused.
+
+    Run as a world of one, each such process would train alone and save over the others' work.
+    Values that fit a single process (LOCAL_RANK=0, LOCAL_WORLD_SIZE=1) are left alone.
+    """
+    for name, single in _SEVERAL.items():
+        value = read_optional_int(environ, name)
+        if value is not None and value > single:
+            raise refuse(name, value,
+                         f"{name}={value} says this process is one of several, but RANK and WORLD_SIZE are "
+                         "unset and no SLURM or MPI launcher's variables are set: it would train alone, "
+                         "as rank 0 of a world of one.",
+                         f"launch with torchrun or 'ddpkit run' (they set RANK and WORLD_SIZE), export RANK "
+                         f"and WORLD_SIZE beside {name}, or unset {name} to run one process.")
 
 
 def _check_consecutive(rank: int, local_rank: int, local_world_size: int, world_size: int,
