@@ -1,10 +1,10 @@
 """Where am I in the job? ``detect(environ)`` reads the launcher's variables into a frozen ``DistEnv``.
-
 Sources, first match wins: torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
 (SLURM_PROCID, ...), MPI launchers (Open MPI, MVAPICH, PMI/PMIx), and finally the single-process
-fallback: rank 0 of a world of one, unless a local or node rank says the process is one of several. ``detect`` is pure: it reads the mapping it is given and writes
-nothing, so every case is testable with a plain dict. Each source is read by its own module in
-``ddpkit.runtime.environments``; this module fixes their order and is the public face.
+fallback: rank 0 of a world of one, unless a local or node rank says the process is one of several.
+``detect`` is pure: it reads the mapping it is given and writes nothing, so every case is testable
+with a plain dict. Each source is read by its own module in ``ddpkit.runtime.environments``; this
+module fixes their order and is the public face.
 """
 from __future__ import annotations
 
