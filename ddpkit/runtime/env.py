@@ -1,4 +1,5 @@
 """Where am I in the job? ``detect(environ)`` reads the launcher's variables into a frozen ``DistEnv``.
+
 Sources, first match wins: torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
 (SLURM_PROCID, ...), MPI launchers (Open MPI, MVAPICH, PMI/PMIx), and finally the single-process
 fallback: rank 0 of a world of one, unless a local or node rank says the process is one of several.
