@@ -18,7 +18,7 @@ from ddpkit.runtime.environments.mpi import from_mpi
 from ddpkit.runtime.environments.slurm import from_slurm
 from ddpkit.runtime.environments.torchrun import from_torchrun, refuse_partial_launch
 
-__all__ = ["DistEnv", "detect", "expand_hostlist", "LAUNCHERS", "DEFAULT_MASTER_PORT"]
+__all__ = ["DistEnv", "detect", "launched", "expand_hostlist", "LAUNCHERS", "DEFAULT_MASTER_PORT"]
 
 # the detection order: the most complete description of the job first
 _SOURCES = (from_torchrun, from_slurm, from_mpi)
@@ -32,9 +32,18 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv:
             its ``variable`` and ``value`` say which to fix, its message also how.
     """
     environ = os.environ if environ is None else environ
+    env = launched(environ)
+    if env is not None:
+        return env
+    refuse_partial_launch(environ)  # LOCAL_RANK=1 alone: a launch that lost its RANK and WORLD_SIZE
+    return DistEnv()
+
+
+def launched(environ: Mapping[str, str]) -> DistEnv | None:
+    """What a launcher's variables say, or None where none are set (a script that made its process
+    group itself may still have set LOCAL_RANK: the group, not the variable, says it is one of several)."""
     for source in _SOURCES:
         env = source(environ)
         if env is not None:
             return env
-    refuse_partial_launch(environ)  # LOCAL_RANK=1 alone: a launch that lost its RANK and WORLD_SIZE
-    return DistEnv()
+    return None

@@ -19,10 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
+from ddpkit.errors import NotInitializedError, explain
 from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
 from ddpkit.runtime.environments.threads import thread_share
+from ddpkit.runtime.init_settings import (
+    DEFAULT_TIMEOUT,
+    as_timedelta,
+    beside_group,
+    check_same_backend,
+    check_same_settings,
+    choose_backend,
+    choose_device,
+)
 from ddpkit.runtime.rendezvous import rendezvous
 
 __all__ = [
@@ -36,14 +45,6 @@ __all__ = [
     "get_local_rank",
     "is_main_process",
 ]
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""How long a rendezvous may wait when ``init()`` is given no timeout. Collectives then keep torch's
-own default (30 minutes, NCCL's 10): a rank that is merely slow (an evaluation on rank 0, a long
-save) must not end a job that runs under torch, and the hang report explains it after
-``stall_timeout`` anyway."""
-
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 # What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
 _state: dict[str, DistEnv | None] = {"env": None}
@@ -96,14 +97,14 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """
     given = {"timeout": timeout, "stall_timeout": stall_timeout, "check_collectives": check_collectives}
-    timeout = _as_timedelta(timeout)
+    timeout = as_timedelta(timeout)
     collective_timeout = None if given["timeout"] is None else timeout  # None: torch's default
     settings = hangs.read_settings(stall_timeout, check_collectives, os.environ)
     chosen = {"timeout": collective_timeout or default_pg_timeout, "stall_timeout": settings.stall_timeout,
               "check_collectives": settings.check_collectives}
     if _state["env"] is not None and dist.is_initialized():
-        _check_same_backend(backend)
-        _check_same_settings({k: chosen[k] for k, v in given.items() if v is not None})
+        check_same_backend(backend)
+        check_same_settings({k: chosen[k] for k, v in given.items() if v is not None}, _chosen)
         return _state["env"]
     store = None
     if dist.is_initialized():
@@ -202,8 +203,9 @@ def get_world_size() -> int:
 
 
 def get_local_rank() -> int:
-    env = _state["env"] or detect(os.environ)
-    return env.local_rank
+    """This process's rank on its node: the launcher's, else LOCAL_RANK (an mp.spawn script may set it
+    to pick its GPU before it makes its group), else 0."""
+    return (_state["env"] or beside_group(os.environ)).local_rank
 
 
 def is_main_process() -> bool:
@@ -225,62 +227,20 @@ def _plan(environ: Mapping[str, str], backend: str | None) -> tuple[DistEnv, str
     without a launcher has one, though its DistEnv reports None)."""
     env = detect(environ)
     from_environment = not backend and bool(environ.get("DDPKIT_BACKEND"))
-    backend = _choose_backend(backend or environ.get("DDPKIT_BACKEND") or None,
+    backend = choose_backend(backend or environ.get("DDPKIT_BACKEND") or None,
                               "DDPKIT_BACKEND" if from_environment else "backend")
-    device = _choose_device(backend, env)
+    device = choose_device(backend, env)
     return env.replace(backend=None if env.launcher == "single" else backend, device=device), backend
 
 
-def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    if isinstance(timeout, timedelta):
-        if timeout <= timedelta(0):
-            raise ValueError(explain(f"timeout={timeout!r} must be a positive duration.",
-                                     "pass e.g. timedelta(minutes=10), or None for the defaults."))
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-        raise ValueError(explain(f"timeout={timeout!r} must be a positive, finite number of seconds or a "
-                                 "timedelta.", "pass e.g. timeout=600, or None for the defaults."))
-    return timedelta(seconds=timeout)
 
 
-def _choose_backend(backend: str | None, named: str = "backend") -> str:
-    """``named``: where ``backend`` came from, for the error (init's argument or DDPKIT_BACKEND)."""
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    backend = backend.lower()
-    if backend not in _BACKENDS:
-        raise ValueError(f"{named}={backend!r} is not one of {_BACKENDS}.")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError(explain(f"{named}='nccl' needs CUDA, and torch.cuda.is_available() is False.",
-                                 f"use {named}='gloo' on CPU."))
-    return backend
 
 
-def _check_same_backend(backend: str | None) -> None:
-    """A repeated ``init()`` returns the first one's group: it must not silently ignore a new backend."""
-    if backend is None or not dist.is_initialized():
-        return
-    current = str(dist.get_backend()).lower()
-    if backend.lower() not in current.replace(":", ",").split(","):
-        raise ValueError(explain(
-            f"ddpkit.init(backend={backend!r}) but this process already joined with backend {current!r}.",
-            "call ddpkit.shutdown() first to change the backend."))
 
 
-def _check_same_settings(given: dict[str, object]) -> None:
-    """A repeated ``init()`` keeps the first one's settings: an argument that asks for others raises."""
-    for name, value in given.items():
-        first = _chosen.get(name, value)
-        if value != first:
-            raise ValueError(explain(
-                f"ddpkit.init({name}={_shown(value)}) but this process already joined with {name}={_shown(first)}.",
-                f"call ddpkit.shutdown() first to change it, or leave {name} out to keep it."))
 
 
-def _shown(value: object) -> str:
-    return f"{value.total_seconds():g}s" if isinstance(value, timedelta) else repr(value)
 
 
 def _take_share_of_cores(env: DistEnv) -> None:
@@ -291,23 +251,14 @@ def _take_share_of_cores(env: DistEnv) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # for the processes this rank starts
 
 
-def _choose_device(backend: str, env: DistEnv) -> torch.device:
-    if backend != "gloo" and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if env.local_rank >= count:
-            raise LauncherVariableError(
-                explain(f"LOCAL_RANK={env.local_rank} but this node has only {count} visible GPU(s).",
-                        "start at most one process per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES."),
-                variable="LOCAL_RANK", value=str(env.local_rank))
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
 
 
 def _adopt_existing_group() -> DistEnv:
     """The user called ``torch.distributed.init_process_group`` already: describe that group."""
-    env = detect(os.environ)
+    env = beside_group(os.environ)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     launcher = env.launcher if env.world_size == dist.get_world_size() else "torchrun"
     return env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend,
                        device=device, launcher=launcher)
+

@@ -207,3 +207,19 @@ def test_a_rank_that_joined_hears_why_when_rank_0_gives_up_first():
         assert p.returncode == 3, stderr
         assert "timed out after 2 s" in stdout and "of WORLD_SIZE=3 ranks joined" in stdout
         assert "RendezvousError at 127.0.0.1:" in stdout
+
+
+def _local_rank_beside_own_group():
+    # the mp.spawn pattern: the script makes its group itself and exports only LOCAL_RANK
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        os.environ.pop(name)
+    os.environ["LOCAL_RANK"] = "3"
+    before = ddpkit.get_local_rank()  # to pick a GPU before the group exists
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    seen = ddpkit.get_local_rank()
+    env = ddpkit.init()
+    return before, seen, env.local_rank, env.world_size, ddpkit.get_local_rank()
+
+
+def test_a_group_the_script_made_takes_its_local_rank_from_local_rank():
+    assert run_ranks(_local_rank_beside_own_group, 1, init=False) == [(3, 3, 3, 1, 3)]
