@@ -57,6 +57,10 @@ class NodeRendezvous:
         """Register this node and wait for all ``nnodes``; returns the agreed layout."""
         cfg = self._config
         deadline = time.monotonic() + cfg.rdzv_timeout
+        if cfg.job_id is None:
+            say(f"ddpkit run: note: this run has no name (--rdzv-id), so a node of another unnamed run that "
+                f"reaches {self._address} would be taken for one of its own; give each run an --rdzv-id "
+                "of its own, the same on all of its nodes")
         if cfg.node_rank == 0:
             try:
                 self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
@@ -78,8 +82,11 @@ class NodeRendezvous:
             me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
             if store.add(f"node/{cfg.node_rank}/claims", 1) > 1:
                 other = json.loads(store.get(f"node/{cfg.node_rank}"))
+                unnamed = ("; or, as this run has no --rdzv-id, a node of another run on this port took the "
+                           "place: give each run an --rdzv-id of its own") if cfg.job_id is None else ""
                 raise self._error(explain(f"node rank {cfg.node_rank} already joined from {other['host']} "
-                                          f"(pid {other['pid']}).", "give every node a different --node-rank."))
+                                          f"(pid {other['pid']}).",
+                                          f"give every node a different --node-rank{unnamed}."))
             store.set(f"node/{cfg.node_rank}", json.dumps(me))
             self._registered = True
             self._watch = NodeWatch(cfg.master_addr, cfg.master_port, cfg.node_rank, cfg.nnodes,

@@ -386,6 +386,18 @@ def test_missing_node_times_out_naming_it_on_every_node_that_joined(job, tmp_pat
 
 
 @pytest.mark.timeout(60)
+def test_an_unnamed_run_says_so_and_a_taken_node_rank_may_be_another_runs(job, tmp_path):
+    port = _free_port()
+    nodes = [job.start(*_node(rank, port, "--rdzv-timeout", "5"), WORKER, str(tmp_path), "block")
+             for rank in (0, 1, 1)]
+    errors = [node.communicate(timeout=30)[1] for node in nodes]  # node 2 never comes: the rest time out
+    assert all("this run has no name (--rdzv-id)" in err for err in errors), errors
+    taken = [err for err in errors[1:] if "node rank 1 already joined from" in err]
+    assert len(taken) == 1, errors  # whichever of the two node-1 launchers came second
+    assert "as this run has no --rdzv-id, a node of another run on this port took the place" in taken[0]
+
+
+@pytest.mark.timeout(60)
 def test_nodes_that_disagree_on_nnodes_stop_as_soon_as_they_meet(job, tmp_path):
     port = _free_port()
     nodes = [job.start("--nnodes", nnodes, "--node-rank", rank, "--master-port", str(port),

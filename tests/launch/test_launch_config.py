@@ -215,11 +215,19 @@ def test_launch_scripts_parse_and_show_their_usage(name):
 
 def test_multi_node_script_on_a_node_without_gpu_asks_for_nproc(tmp_path):
     path = Path(__file__).resolve().parents[2] / "launch" / "multi_node.sh"
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h"}
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "JOB_ID": "j"}
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # present, but sees no GPU
     (tmp_path / "nvidia-smi").chmod(0o755)
     result = subprocess.run(["bash", str(path), "train.py"], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "set NPROC, the workers per node" in result.stderr, result.stderr
+
+
+def test_multi_node_script_refuses_an_unnamed_run():
+    # two unnamed runs on one node 0 and port cannot be told apart: one would take the other's nodes
+    path = Path(__file__).resolve().parents[2] / "launch" / "multi_node.sh"
+    env = {"PATH": "/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "NPROC": "1"}
+    result = subprocess.run(["bash", str(path), "train.py"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "set JOB_ID to the name of this run" in result.stderr, result.stderr
 
 
 def test_local_ranks_filter_and_redirects_choose_the_console_streams_as_in_torchrun():
