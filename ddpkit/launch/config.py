@@ -112,7 +112,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    help="restart the whole group up to K times after a failure "
                    "(TORCHELASTIC_RESTART_COUNT tells the script which attempt it is).")
     p.add_argument(*_spellings("log-dir"), dest="log_dir", default=pet("log_dir", None), metavar="DIR",
-                   help="also write each rank's output to DIR/attempt_<k>/rank_<r>.log.")
+                   help="also write each rank's output to DIR/<run id>_<random>/attempt_<k>/rank_<r>.log "
+                   "(a directory per run, as torchrun's).")
     p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float, metavar="SECONDS",
                    default=pet("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
                    help="seconds the nodes wait for each other (ddpkit's flag). Default 900.")

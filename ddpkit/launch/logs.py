@@ -7,7 +7,8 @@ the worker wrote nothing more for ``IDLE_FLUSH`` seconds, or once it is ``MAX_PA
 Such an open line belongs to its rank until it ends; anyone else who writes first ends it with a
 newline, and the rest of it comes later on a line of its own, prefixed again. The last lines of each
 stderr are kept for the failure summary, and with ``--log-dir`` the worker's output also goes,
-unchanged, to ``DIR/attempt_<k>/rank_<r>.log``.
+unchanged, to ``DIR/<run id>_<random>/attempt_<k>/rank_<r>.log``: a directory per run, as torchrun
+makes, so that a run reusing DIR never mixes its attempts with an earlier run's.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import os
 import re
 import select
 import sys
+import tempfile
 import threading
 from collections import deque
 from typing import IO, BinaryIO
 
-__all__ = ["OutputPump", "TAIL_LINES", "IDLE_FLUSH", "MAX_PARTIAL", "log_path", "say"]
+__all__ = ["OutputPump", "TAIL_LINES", "IDLE_FLUSH", "MAX_PARTIAL", "log_path", "run_log_dir", "say"]
 
 TAIL_LINES = 200
 IDLE_FLUSH = 0.1  # seconds: a partial line shows once the worker paused this long
@@ -28,6 +30,12 @@ MAX_PARTIAL = 64 * 1024  # bytes: a line without end is shown in pieces of at mo
 
 _SEPARATOR = re.compile(rb"(\r\n|\n|\r)")
 _NEWLINES = (b"\n", b"\r\n")
+
+
+def run_log_dir(log_dir: str, run_id: str) -> str:
+    """A new directory in ``--log-dir`` for this run's files, named by its run id (torchrun's scheme)."""
+    prefix = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:64] or "run"
+    return tempfile.mkdtemp(prefix=f"{prefix}_", dir=log_dir)
 
 
 def log_path(log_dir: str, attempt: int, rank: int) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import psutil
 
 from ddpkit.launch.config import LaunchConfig
-from ddpkit.launch.logs import error_file_path, log_path, say
+from ddpkit.launch.logs import error_file_path, log_path, run_log_dir, say
 from ddpkit.launch.node_rendezvous import NodeRendezvous
 from ddpkit.launch.rendezvous import Layout, LocalRendezvous
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
@@ -63,12 +63,16 @@ class Supervisor:
         self._keep = {p.pid for p in psutil.Process().children()}
         self._watchdog: Watchdog | None = None
         self._error_dir: str | None = None  # set by run()
+        self._log_dir: str | None = None  # this run's own directory in --log-dir, made by run()
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
             try:
-                # the workers' TORCHELASTIC_ERROR_FILEs: kept in --log-dir, else removed at the end
-                self._error_dir = self.config.log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
+                if self.config.log_dir:
+                    self._log_dir = run_log_dir(self.config.log_dir, self.config.run_id)
+                    _say(f"logs in {self._log_dir}")
+                # the workers' TORCHELASTIC_ERROR_FILEs: kept with the logs, else removed at the end
+                self._error_dir = self._log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
                 self._watchdog = Watchdog()
                 self._keep.add(self._watchdog.pid or 0)
                 layout = self.rendezvous.join(self._aborted)
@@ -86,7 +90,7 @@ class Supervisor:
                 self.rendezvous.close()
                 if self._watchdog is not None:
                     self._watchdog.close()
-                if self._error_dir is not None and self._error_dir != self.config.log_dir:
+                if self._error_dir is not None and self._error_dir != self._log_dir:
                     shutil.rmtree(self._error_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------- attempt
@@ -102,7 +106,7 @@ class Supervisor:
         finally:
             self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
         if outcome.kind == "failed":
-            log = log_path(self.config.log_dir, attempt, outcome.failed.rank) if self.config.log_dir else None
+            log = log_path(self._log_dir, attempt, outcome.failed.rank) if self._log_dir else None
             say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log))
         elif outcome.kind == "signal":
             _say(f"received {self.stop_signal.name}: stopped all workers")
@@ -148,7 +152,7 @@ class Supervisor:
                              error_file=error_file_path(self._error_dir, attempt, place.rank))
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
-            log = log_path(cfg.log_dir, attempt, place.rank) if cfg.log_dir else None
+            log = log_path(self._log_dir, attempt, place.rank) if self._log_dir else None
             workers.append(spawn_worker(cfg.command, env, place, log, shown=cfg.console.shows(local_rank)))
             if self._watchdog is not None:
                 self._watchdog.add(workers[-1].pid)

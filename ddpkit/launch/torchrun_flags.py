@@ -124,7 +124,7 @@ def notes(args: argparse.Namespace) -> list[str]:
                     "affinity (bind them with numactl or your scheduler)")
     if args.logs_specs:
         said.append(f"--logs-specs {args.logs_specs} has no effect: output goes to the console and "
-                    "--log-dir DIR/attempt_<k>/rank_<r>.log")
+                    "--log-dir DIR/<run id>_<random>/attempt_<k>/rank_<r>.log")
     if str(args.event_log_handler) != "null":
         said.append(f"--event-log-handler {args.event_log_handler} has no effect: ddpkit run records no "
                     "torchelastic events")

@@ -135,6 +135,12 @@ def assert_all_gone(pids: set[int], timeout: float = 10) -> None:
     assert not running, f"processes of the job still running: {running}"
 
 
+def run_dir(logs: Path) -> Path:
+    """The one run's directory in ``--log-dir`` ``logs`` (each run makes its own, as torchrun's)."""
+    [path] = logs.iterdir()
+    return path
+
+
 def read_until(proc: subprocess.Popen, needle: bytes, timeout: float = 20) -> bytes:
     """Read ``proc``'s stdout, unbuffered, until ``needle`` came; everything read so far."""
     seen, fd, deadline = b"", proc.stdout.fileno(), time.monotonic() + timeout
@@ -177,12 +183,12 @@ def test_two_workers_all_reduce_with_torchrun_variables(job, tmp_path):
             "ROLE_WORLD_SIZE": "2", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_USE_AGENT_STORE": "True", "DDPKIT_LAUNCHER": "ddpkit",
-            "TORCHELASTIC_ERROR_FILE": str(logs / "attempt_0" / f"rank_{rank}.error.json"),
+            "TORCHELASTIC_ERROR_FILE": str(run_dir(logs) / "attempt_0" / f"rank_{rank}.error.json"),
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             "OMP_NUM_THREADS": str(max(1, cores // 2)), "PYTHONUNBUFFERED": "1"}
         uuid.UUID(env["TORCHELASTIC_RUN_ID"])  # one node, no port given: a fresh id, as torchrun's
     assert "[rank0]: sum 3.0" in out.splitlines() and "[rank1]: sum 3.0" in out.splitlines()
-    assert (logs / "attempt_0" / "rank_1.log").read_text().splitlines()[0] == "rank 1 started"
+    assert (run_dir(logs) / "attempt_0" / "rank_1.log").read_text().splitlines()[0] == "rank 1 started"
     assert_all_gone(job.pids())
 
 
@@ -194,7 +200,7 @@ def test_local_ranks_filter_quiets_the_console_not_the_logs_nor_a_failures_summa
     assert code == 0, err
     assert "ddpkit run: note: --numa-binding node has no effect" in err.splitlines()[0]
     assert "[rank1]: rank 1 started" in out.splitlines() and "[rank0]" not in out + err
-    assert (logs / "attempt_0" / "rank_0.log").read_text().splitlines()[0] == "rank 0 started"
+    assert (run_dir(logs) / "attempt_0" / "rank_0.log").read_text().splitlines()[0] == "rank 0 started"
     code, _, err = job.run("--nproc-per-node", "2", "--local-ranks-filter", "1", "--grace-period", "5",
                            WORKER, str(tmp_path), "fail", "0")
     assert code == 1, err
@@ -284,7 +290,7 @@ def test_record_writes_the_error_file_kept_in_the_log_dir_else_removed(job, tmp_
         assert "ValueError: recorded on rank 0" in err[err.index("the job failed"):]
         path = Path((tmp_path / "error_file_0").read_text())
         if log_args:
-            assert path == logs / "attempt_0" / "rank_0.error.json"
+            assert path == run_dir(logs) / "attempt_0" / "rank_0.error.json"
             assert "recorded on rank 0" in json.loads(path.read_text())["message"]["message"]
         else:
             assert not path.parent.parent.exists()  # the launcher's own directory, gone with it
@@ -365,6 +371,20 @@ def test_restart_increments_the_restart_count(job, tmp_path):
     assert "restarting all workers: restart 1 of at most 2" in err
     assert {r: v["restart_count"] for r, v in job.results().items()} == {0: "1", 1: "1"}
     assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
+def test_runs_that_share_a_log_dir_each_keep_their_own_attempts(job, tmp_path):
+    logs = tmp_path / "logs"
+    code, _, first = job.run("--nproc-per-node", "1", "--max-restarts", "1", "--log-dir", str(logs),
+                             WORKER, str(tmp_path), "fail-once", "0")
+    assert code == 0, first
+    code, _, second = job.run("--nproc-per-node", "1", "--log-dir", str(logs), WORKER, str(tmp_path), "succeed")
+    assert code == 0, second
+    dirs = [next(line.split("logs in ", 1)[1] for line in err.splitlines() if "logs in " in line)
+            for err in (first, second)]
+    assert sorted(dirs) == sorted(str(p) for p in logs.iterdir())
+    assert [sorted(p.name for p in Path(d).iterdir()) for d in dirs] == [["attempt_0", "attempt_1"], ["attempt_0"]]
 
 
 def _node(rank: int, port: int, *args: str) -> tuple[str, ...]:
