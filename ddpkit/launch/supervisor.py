@@ -25,8 +25,12 @@ from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
 from ddpkit.launch.workers import Placement, Worker, exit_code, kill_leftovers, signal_worker, spawn_worker, worker_env
+from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
 
-__all__ = ["Outcome", "Supervisor", "run"]
+__all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
+
+CAUSE_WAIT = 5.0
+"""Seconds a hang report's exit (a consequence) waits for the failure that caused it to end too."""
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Supervisor:
         self._watchdog: Watchdog | None = None
         self._error_dir: str | None = None  # set by run()
         self._log_dir: str | None = None  # this run's own directory in --log-dir, made by run()
+        self._consequence_since: float | None = None  # when a hang report's exit came first
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
@@ -98,7 +103,7 @@ class Supervisor:
         master_addr, master_port = self.rendezvous.begin_attempt(attempt, self._aborted)
         if self.stop_signal is not None:
             return Outcome("signal", 128 + self.stop_signal)
-        self._workers = []
+        self._workers, self._consequence_since = [], None
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
@@ -170,10 +175,12 @@ class Supervisor:
                 return Outcome("signal", 128 + self.stop_signal)
             ended = [w for w in self._workers if _settle(w)]
             failed = [w for w in ended if w.state == "failed"]
-            if failed:
-                # several in one poll, all on their own: a worker killed by a signal is more likely
-                # the cause than one that raised because its peer vanished, else the lowest rank
-                first = min(failed, key=lambda w: (w.process.returncode > 0, w.rank))
+            if failed and not self._await_cause(failed):
+                # several in one poll, all on their own: a hang report's exit is a consequence; a
+                # worker killed by a signal is more likely the cause than one that raised because
+                # its peer vanished; else the lowest rank
+                first = min(failed, key=lambda w: (w.process.returncode == HANG_EXIT_CODE,
+                                                   w.process.returncode > 0, w.rank))
                 return Outcome("failed", first.exit_code, failed=first)
             if all(w.state == "succeeded" for w in self._workers):
                 return Outcome("succeeded")
@@ -181,6 +188,17 @@ class Supervisor:
             if remote is not None:
                 return Outcome("remote", remote.get("code") or 1, remote=remote)
             time.sleep(self.config.monitor_interval)
+
+    def _await_cause(self, failed: list[Worker]) -> bool:
+        """Whether to wait for the cause: every failure so far is a hang report's exit (the rank saw a
+        peer exit or die), and that peer may still be on its way out (its atexit handlers, a logger's
+        flush). For at most ``CAUSE_WAIT`` seconds, so that the summary leads with its traceback."""
+        if any(w.process.returncode != HANG_EXIT_CODE for w in failed):
+            return False
+        if self._consequence_since is None:
+            self._consequence_since = time.monotonic()
+        running = any(w.state == "running" for w in self._workers)
+        return running and time.monotonic() - self._consequence_since < CAUSE_WAIT
 
     def stop_workers(self, workers: list[Worker], sig: int) -> None:
         """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers."""

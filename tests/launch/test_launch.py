@@ -387,6 +387,17 @@ def test_runs_that_share_a_log_dir_each_keep_their_own_attempts(job, tmp_path):
     assert [sorted(p.name for p in Path(d).iterdir()) for d in dirs] == [["attempt_0", "attempt_1"], ["attempt_0"]]
 
 
+@pytest.mark.timeout(60)
+def test_the_summary_leads_with_the_cause_not_the_rank_whose_hang_report_ended_it_first(job, tmp_path):
+    # rank 1 raises and takes 3 s to exit; rank 0 sees it leave at once and ends with exit code 86
+    code, _, err = job.run("--nproc-per-node", "2", "--grace-period", "5", WORKER, str(tmp_path), "exit-slowly", "1")
+    summary = err[err.index("the job failed"):]
+    assert code == 1, err
+    assert summary.splitlines()[2].startswith("rank 1 (node 0, local rank 1,"), summary
+    assert "RuntimeError: the cause, on rank 1" in summary
+    assert_all_gone(job.pids())
+
+
 def _node(rank: int, port: int, *args: str) -> tuple[str, ...]:
     return ("--nnodes", "3", "--node-rank", str(rank), "--master-port", str(port), *args)
 

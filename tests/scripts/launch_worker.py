@@ -133,6 +133,20 @@ def main() -> None:
         ddpkit.all_reduce(torch.zeros(4))  # the pairs connect
         ddpkit.all_reduce(torch.zeros(4 if rank == 0 else 8))  # MISMATCHED ALL_REDUCE
         _block()
+    elif mode == "exit-slowly":  # the target raises, then its exit takes a while (a logger's flush)
+        import atexit
+
+        if rank == target:  # before ddpkit is imported: runs after ddpkit's own exit handlers
+            atexit.register(time.sleep, 3.0)
+        import torch
+
+        import ddpkit
+
+        ddpkit.init(backend="gloo", stall_timeout=10)
+        ddpkit.all_reduce(torch.zeros(4))
+        if rank == target:
+            raise RuntimeError(f"the cause, on rank {rank}")
+        ddpkit.all_reduce(torch.zeros(4))  # the peer has left: this rank's hang report ends it with 86
     elif mode == "stdin":
         _write(os.path.join(out, f"result_{rank}.json"), {"stdin": input()})
     elif mode == "progress":
