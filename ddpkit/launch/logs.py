@@ -42,9 +42,10 @@ def log_path(log_dir: str, attempt: int, rank: int) -> str:
     return os.path.join(log_dir, f"attempt_{attempt}", f"rank_{rank}.log")
 
 
-def error_file_path(base: str, attempt: int, rank: int) -> str:
-    """A fresh TORCHELASTIC_ERROR_FILE for the worker (its directory made, an old file removed)."""
-    path = os.path.join(base, f"attempt_{attempt}", f"rank_{rank}.error.json")
+def error_file_path(base: str, attempt: int, rank: int, suffix: str = "error.json") -> str:
+    """A fresh TORCHELASTIC_ERROR_FILE for the worker (its directory made, an old file removed);
+    with another ``suffix``, another of the worker's files there."""
+    path = os.path.join(base, f"attempt_{attempt}", f"rank_{rank}.{suffix}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)  # left by an earlier job in the same --log-dir: not this worker's error

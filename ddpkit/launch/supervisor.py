@@ -25,12 +25,13 @@ from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
 from ddpkit.launch.workers import Placement, Worker, exit_code, kill_leftovers, signal_worker, spawn_worker, worker_env
-from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
+from ddpkit.runtime.hangs.watchdog import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE
 
 __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
 
 CAUSE_WAIT = 5.0
-"""Seconds a hang report's exit (a consequence) waits for the failure that caused it to end too."""
+"""Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
+waits for the failure that caused it to end too."""
 
 
 @dataclass
@@ -68,7 +69,8 @@ class Supervisor:
         self._watchdog: Watchdog | None = None
         self._error_dir: str | None = None  # set by run()
         self._log_dir: str | None = None  # this run's own directory in --log-dir, made by run()
-        self._consequence_since: float | None = None  # when a hang report's exit came first
+        self._consequence_since: float | None = None  # when a consequence's exit came first
+        self._attempt = 0  # the attempt running
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
@@ -103,7 +105,7 @@ class Supervisor:
         master_addr, master_port = self.rendezvous.begin_attempt(attempt, self._aborted)
         if self.stop_signal is not None:
             return Outcome("signal", 128 + self.stop_signal)
-        self._workers, self._consequence_since = [], None
+        self._workers, self._consequence_since, self._attempt = [], None, attempt
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
@@ -157,6 +159,7 @@ class Supervisor:
                              error_file=error_file_path(self._error_dir, attempt, place.rank))
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
+            env[CONSEQUENCE_FILE_VARIABLE] = self._consequence_file(place.rank, create=True)
             log = log_path(self._log_dir, attempt, place.rank) if self._log_dir else None
             workers.append(spawn_worker(cfg.command, env, place, log, shown=cfg.console.shows(local_rank)))
             if self._watchdog is not None:
@@ -173,14 +176,14 @@ class Supervisor:
             self._handle_signals()
             if self.stop_signal is not None:
                 return Outcome("signal", 128 + self.stop_signal)
-            ended = [w for w in self._workers if _settle(w)]
-            failed = [w for w in ended if w.state == "failed"]
+            for worker in self._workers:
+                _settle(worker)
+            failed = [w for w in self._workers if w.state == "failed"]
             if failed and not self._await_cause(failed):
-                # several in one poll, all on their own: a hang report's exit is a consequence; a
-                # worker killed by a signal is more likely the cause than one that raised because
-                # its peer vanished; else the lowest rank
-                first = min(failed, key=lambda w: (w.process.returncode == HANG_EXIT_CODE,
-                                                   w.process.returncode > 0, w.rank))
+                # several ended by themselves (in one poll, or while consequences waited for their
+                # cause): a consequence of a peer's failure comes last; a worker killed by a signal is
+                # more likely the cause than one that raised because its peer vanished; else the lowest rank
+                first = min(failed, key=lambda w: (self._is_consequence(w), w.process.returncode > 0, w.rank))
                 return Outcome("failed", first.exit_code, failed=first)
             if all(w.state == "succeeded" for w in self._workers):
                 return Outcome("succeeded")
@@ -189,11 +192,23 @@ class Supervisor:
                 return Outcome("remote", remote.get("code") or 1, remote=remote)
             time.sleep(self.config.monitor_interval)
 
+    def _consequence_file(self, rank: int, create: bool = False) -> str:
+        """The file a worker creates when it fails because a peer went away (``ddpkit.runtime.hangs``)."""
+        if create:
+            return error_file_path(self._error_dir, self._attempt, rank, "consequence")
+        return os.path.join(self._error_dir, f"attempt_{self._attempt}", f"rank_{rank}.consequence")
+
+    def _is_consequence(self, worker: Worker) -> bool:
+        """A hang report's exit, or a collective's error because a peer went away: not a cause."""
+        if worker.process.returncode == HANG_EXIT_CODE:
+            return True
+        return self._error_dir is not None and os.path.exists(self._consequence_file(worker.rank))
+
     def _await_cause(self, failed: list[Worker]) -> bool:
-        """Whether to wait for the cause: every failure so far is a hang report's exit (the rank saw a
-        peer exit or die), and that peer may still be on its way out (its atexit handlers, a logger's
+        """Whether to wait for the cause: every failure so far is a consequence (the rank saw a peer
+        exit or die), and that peer may still be on its way out (its atexit handlers, a logger's
         flush). For at most ``CAUSE_WAIT`` seconds, so that the summary leads with its traceback."""
-        if any(w.process.returncode != HANG_EXIT_CODE for w in failed):
+        if not all(self._is_consequence(w) for w in failed):
             return False
         if self._consequence_since is None:
             self._consequence_since = time.monotonic()

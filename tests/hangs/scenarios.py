@@ -146,3 +146,18 @@ def store_host_killed(rank: int) -> None:
     if rank == 1:
         time.sleep(1.5)  # the late rank: rank 0 dies inside the collective meanwhile
     dist.all_reduce(t)  # <- host-killed
+
+
+def peer_exit_caught(rank: int) -> None:
+    """Rank 1 ends its script early; rank 0 catches its all-reduce's error, as a torch script may (to
+    save what it can), and its finally block runs."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")  # <- caught-exits
+    try:
+        dist.all_reduce(t)  # <- caught-waits
+    except RuntimeError as e:
+        print(f"caught on rank {rank}: {type(e).__name__}", flush=True)
+    finally:
+        print(f"finally ran on rank {rank}", flush=True)

@@ -2,7 +2,9 @@
 
 Each job runs with stall_timeout=1.5 s; a report must name the right ranks and ``file:line`` within
 stall_timeout plus a few seconds, a certain deadlock must end every rank with ``HANG_EXIT_CODE``, and a
-slow rank must not.
+slow rank must not. A collective that fails because a peer went away (exited, crashed, killed) raises
+its error after the report, as under torch: the script may catch it, and uncaught it ends the rank
+with exit code 1.
 """
 from __future__ import annotations
 
@@ -33,6 +35,12 @@ def _verdict(text: str) -> str:
     return text[text.index("Verdict:"):text.index("What next:")]
 
 
+def _raised_after_the_report(text: str) -> bool:
+    """The report said the error goes on to the script, and the script's traceback followed it."""
+    report_end = text.index("goes on to the script")
+    return re.search(r"RuntimeError: .*Connection (closed|reset) by peer", text[report_end:]) is not None
+
+
 def test_skipped_collective_names_both_sides_and_ends_the_job(tmp_path):
     job = run_job("skipped", 2, tmp_path, stall_timeout=STALL)
     assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
@@ -45,7 +53,8 @@ def test_skipped_collective_names_both_sides_and_ends_the_job(tmp_path):
 
 def test_extra_collective_names_the_rank_that_left_and_where_the_ranks_went_apart(tmp_path):
     job = run_job("extra", 2, tmp_path, stall_timeout=STALL)
-    assert job.codes == [HANG_EXIT_CODE, 0], job.log()
+    assert job.codes == [1, 0], job.log()  # rank 0's all-reduce raised when rank 1's process ended
+    assert _raised_after_the_report(job.logs[0]), job.log()
     verdict = _verdict(job.logs[0])
     assert f"rank 1 has left the job: it called ddpkit.shutdown() at {line_of('extra-leaves')}" in verdict
     assert f"rank 0 was in all_reduce #3 ({line_of('extra-next')}" in verdict
@@ -70,7 +79,7 @@ def test_different_shapes_name_the_rank_gloo_crashed_and_the_survivors_call(tmp_
     job = run_job("different_shapes", 2, tmp_path, stall_timeout=STALL)
     crashed = job.codes.index(-signal.SIGABRT)
     survivor = 1 - crashed
-    assert job.codes[survivor] == HANG_EXIT_CODE, job.log()
+    assert job.codes[survivor] == 1 and _raised_after_the_report(job.logs[survivor]), job.log()
     verdict = _verdict(job.logs[survivor])
     assert f"rank {crashed} (pid" in verdict and "has died without a word" in verdict
     assert f"rank {survivor} was in all_reduce #1 ({line_of('shapes')}" in verdict
@@ -90,8 +99,9 @@ def test_slow_rank_is_reported_and_the_job_goes_on(tmp_path):
 
 def test_rank_killed_inside_a_collective_is_named(tmp_path):
     job = run_job("killed", 3, tmp_path, stall_timeout=STALL)
-    assert job.codes == [HANG_EXIT_CODE, HANG_EXIT_CODE, -signal.SIGKILL], job.log()
+    assert job.codes == [1, 1, -signal.SIGKILL], job.log()
     for text in job.logs[:2]:
+        assert _raised_after_the_report(text), job.log()
         verdict = _verdict(text)
         assert "rank 2 (pid" in verdict and "has died without a word" in verdict
         assert line_of("killed") in verdict
@@ -153,11 +163,23 @@ def test_ddpkit_run_summary_carries_the_report(tmp_path):
 def test_a_peer_that_exits_during_ddp_training_is_named_on_the_survivor(tmp_path):
     # the failure surfaces in DDP's Work.wait(), past the recorder's wrapper: the inquiry runs at exit
     job = run_job("ddp_peer_exits", 2, tmp_path, stall_timeout=STALL)
-    assert job.codes == [HANG_EXIT_CODE, 3], job.log()
+    assert job.codes == [1, 3], job.log()  # the uncaught error of DDP's backward ends rank 0 as under torch
     verdict = _verdict(job.logs[0])
     assert "rank 1 (pid" in verdict and "has died without a word" in verdict
     assert f"rank 0 was in all_reduce #7 ({line_of('peer-exits-backward')}" in verdict
     assert re.search(r"which failed: RuntimeError: .*Connection (closed|reset) by peer", job.logs[0])
+
+
+def test_a_script_catches_the_error_of_a_collective_whose_peer_exited(tmp_path):
+    job = run_job("peer_exit_caught", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [0, 1], job.log()  # rank 0 caught the error and its script ended well
+    text = job.logs[0]
+    assert "caught on rank 0: RuntimeError" in text and "finally ran on rank 0" in text, job.log()
+    verdict = _verdict(text)  # the report came first, naming the rank and both lines
+    assert f"rank 1 has exited after an uncaught RuntimeError: rank 1 gives up at {line_of('caught-exits')}" in verdict
+    assert line_of("caught-waits") in verdict, job.log()
+    assert text.index("What next:") < text.index("caught on rank 0")
+    assert job.seconds < PROMPT
 
 
 def test_the_rank_that_hosts_the_store_killed(tmp_path):

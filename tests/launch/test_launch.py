@@ -398,6 +398,18 @@ def test_the_summary_leads_with_the_cause_not_the_rank_whose_hang_report_ended_i
     assert_all_gone(job.pids())
 
 
+@pytest.mark.timeout(60)
+def test_the_summary_leads_with_the_cause_not_a_collective_error_it_caused(job, tmp_path):
+    # rank 0's all-reduce raises (exit code 1) when rank 1 leaves; rank 1 fails 2 s later with code 3
+    code, _, err = job.run("--nproc-per-node", "2", "--grace-period", "5", WORKER, str(tmp_path),
+                           "leave-then-fail", "1")
+    summary = err[err.index("the job failed"):]
+    assert code == 3, err
+    assert summary.splitlines()[2].startswith("rank 1 (node 0, local rank 1,"), summary
+    assert "also failed, before they were stopped: rank 0" in summary and "exit code 1" in summary
+    assert_all_gone(job.pids())
+
+
 def _node(rank: int, port: int, *args: str) -> tuple[str, ...]:
     return ("--nnodes", "3", "--node-rank", str(rank), "--master-port", str(port), *args)
 

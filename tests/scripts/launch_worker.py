@@ -147,6 +147,21 @@ def main() -> None:
         if rank == target:
             raise RuntimeError(f"the cause, on rank {rank}")
         ddpkit.all_reduce(torch.zeros(4))  # the peer has left: this rank's hang report ends it with 86
+    elif mode == "leave-then-fail":  # the target's connections close, then it fails: the peer's error is a consequence
+        import torch
+
+        import ddpkit
+
+        ddpkit.init(backend="gloo", stall_timeout=30)
+        ddpkit.all_reduce(torch.zeros(4))
+        if rank == target:
+            import gc
+
+            ddpkit.shutdown()
+            gc.collect()  # the group's last reference: its connections close
+            time.sleep(2.0)
+            sys.exit(3)
+        ddpkit.all_reduce(torch.zeros(4))  # raises at once (connection closed), uncaught: exit code 1
     elif mode == "stdin":
         _write(os.path.join(out, f"result_{rank}.json"), {"stdin": input()})
     elif mode == "progress":

@@ -9,6 +9,8 @@ the same report (``report``); a certain deadlock ends the job with ``HANG_EXIT_C
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import sys
 import uuid
 from datetime import timedelta
@@ -20,7 +22,7 @@ from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
 from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, read_settings
 from ddpkit.runtime.hangs.strict import StrictCheck
-from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, HANG_EXIT_CODE, Watchdog
+from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE, Watchdog
 
 __all__ = ["HangWatch", "start", "where_called", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings",
            "read_settings"]
@@ -86,14 +88,25 @@ class HangWatch:
         return "none" if last is None else f"{last.op} #{last.seq} at {format_site(last.site)}"
 
     def _collective_failed(self, record: Record | None, error: BaseException) -> bool:
-        """A collective raised: if a peer went away, ask everyone at once instead of showing Gloo's
-        words (with ``record`` None, only say whether it would)."""
+        """A collective raised: if a peer went away, ask everyone at once, so that the report says who
+        and where before the error goes on to the script (with ``record`` None, only say whether it
+        would). The error is this rank's consequence of another's failure: the launcher is told."""
         gone = isinstance(error, getattr(dist, "DistBackendError", ())) or (
             isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE))
+        if gone:
+            _mark_consequence()
         if gone and self.watchdog is not None and record is not None:
             self._asked = True
             self.watchdog.inquire_now(3 * ANSWER_SECONDS)
         return gone and self.watchdog is not None
+
+
+def _mark_consequence() -> None:
+    """Tell ``ddpkit run`` (through the file it named) that this rank fails because a peer went away."""
+    path = os.environ.get(CONSEQUENCE_FILE_VARIABLE)
+    if path:
+        with contextlib.suppress(OSError):
+            open(path, "w").close()
 
 
 def start(rank: int, world_size: int, store: dist.Store | None, settings: HangSettings) -> HangWatch | None:

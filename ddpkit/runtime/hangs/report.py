@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = ["build_report", "rank_list", "Report"]
 
-Report = dict  # {"text": str, "certain": bool, "picture": str}
+Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
 _RULE = "=" * 78
 
 
@@ -97,6 +97,9 @@ def _blocked_in_p2p(state: dict[str, Any]) -> str | None:
 def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
     final = info.get("final")
     if final:
+        if final["how"] == "hang":
+            return (f"rank {rank} has ended with exit code {final['code']} after a report of a certain deadlock "
+                    f"(it waited in {final['where']})")
         if final["how"] == "exception":
             return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
         if final["how"] == "shutdown":
@@ -229,7 +232,15 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
         sentences = ["no rank waits in a collective any more."]
     failed = [r for r, state in sorted(answers.items())
               if (waiting := _first_waiting(state)) is not None and waiting[0].get("error")]
-    if certain:
+    # a rank that went away by itself (not one a report ended) closes its connections, and the
+    # collectives waiting on it raise: those errors go on to the scripts, as under torch
+    peer_gone = any((info.get("final") or {}).get("how") != "hang" and (info.get("final") or info.get("exited"))
+                    for info in missing.values())
+    if certain and peer_gone:
+        after = ("a certain deadlock: a collective that waits on a rank that is gone raises (as under torch), "
+                 f"and the error goes on to the script; a rank still waiting after a moment ends with exit "
+                 f"code {exit_code}.")
+    elif certain:
         after = f"a certain deadlock: every rank ends now with exit code {exit_code}."
     elif failed:  # a timed-out collective has raised there: an error, not a slow rank, ends the job
         after = (f"the collective of {rank_list(failed)} failed (above); that error ends the job unless the "
@@ -240,4 +251,4 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
                       f"{seen_by}). Where each rank is:", *lines, "Verdict:",
                       *(f"  {s}" for s in sentences), f"What next: {after}",
                       "(DDPKIT_STALL_TIMEOUT sets the delay, 0 turns this off)", _RULE])
-    return {"text": text, "certain": certain, "picture": picture}
+    return {"text": text, "certain": certain, "picture": picture, "peer_gone": peer_gone}

@@ -4,6 +4,9 @@ Every tick it marks finished async collectives, answers any inquiry another rank
 one itself when its oldest outstanding collective is older than ``stall_timeout`` (again only after
 another ``stall_timeout``). A report is printed when the picture changes; a certain deadlock prints it
 and ends the process with ``HANG_EXIT_CODE``, since the main thread is stuck where it cannot be reached.
+A collective that raised (a peer went away) asks at once (``inquire_now``): the report is printed and
+the error is raised as under torch, for the script to catch, with its ``finally:`` blocks and exit
+handlers run.
 """
 from __future__ import annotations
 
@@ -19,10 +22,18 @@ from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
 from ddpkit.runtime.hangs.report import build_report
 
-__all__ = ["Watchdog", "HANG_EXIT_CODE", "ANSWER_SECONDS", "snapshot"]
+__all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot"]
 
 HANG_EXIT_CODE = 86
 """The exit code of every rank of a job that the watchdog ended in a certain deadlock."""
+
+CONSEQUENCE_FILE_VARIABLE = "DDPKIT_CONSEQUENCE_FILE"
+"""Set by ``ddpkit run``: a file a worker creates when its collective failed because a peer went
+away, so that the launcher's summary leads with the peer's failure, not this consequence of it."""
+
+RAISE_GRACE = 5.0
+"""After a certain verdict, how long a collective of this rank may take to raise before the watchdog
+ends the process: the time for a peer's exit to close its connections."""
 
 ANSWER_SECONDS = 5.0
 """How long the reporting rank waits for the others' answers; a rank that exited says so at once."""
@@ -63,8 +74,8 @@ class Watchdog(threading.Thread):
             self.join(timeout=2 * ANSWER_SECONDS)
 
     def inquire_now(self, seconds: float) -> None:
-        """Called by a thread whose collective raised: inquire at once and wait for the verdict (a
-        certain one ends the process; otherwise the caller re-raises its error)."""
+        """Called by a thread whose collective raised: inquire at once and wait for the report; the
+        caller then re-raises its error, even after a certain verdict (that thread is not stuck)."""
         if not self.is_alive():
             return
         self._served.clear()
@@ -125,7 +136,23 @@ class Watchdog(threading.Thread):
             # every rank, not only the one that wrote the report: the rank that hosts the store (rank 0
             # under SLURM or MPI) must not take it away before the others have read
             self.inquiry.wait_read(n, report.get("readers", 0), ANSWER_SECONDS)
-            os._exit(HANG_EXIT_CODE)
+            # a peer that went away by itself closes its connections, and a collective waiting on it
+            # raises a moment later: that error goes on to the script, as under torch (Note [Hang reports])
+            if report.get("peer_gone") and (self._wanted.is_set() or self._wanted.wait(RAISE_GRACE)):
+                return
+            self._end_in_deadlock()
+
+    def _end_in_deadlock(self) -> None:
+        """End the process; first say so, so that a peer whose collective fails because of this exit
+        does not take it for a failure of its own making (it then ends too)."""
+        oldest = self.recorder.oldest_outstanding()
+        where = "no collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
+        try:
+            self.inquiry.last_word({"how": "hang", "code": HANG_EXIT_CODE, "where": where,
+                                    "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            pass
+        os._exit(HANG_EXIT_CODE)
 
     def _store_lost(self, error: Exception) -> None:
         """Without the store there is no inquiry: at the end of a job, when the rank that hosts it has
