@@ -124,7 +124,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
                 sys.excepthook = hook
         else:
             _dump_stacks_on_fatal_signals()
-            store = rendezvous(env, timeout)
+            store = rendezvous(env, timeout, notice_after=settings.stall_timeout)
             # from here the store waits as long as a collective: strict mode's checks go through it
             store.set_timeout(collective_timeout or default_pg_timeout)
             dist.init_process_group(backend, store=store, rank=env.rank,

@@ -33,8 +33,13 @@ _POLL = (0.002, 0.1)  # seconds between checks while waiting: from quick to pati
 _NAMED_MISSING = 4096  # a timed-out rendezvous names the missing ranks of a world up to this size
 
 
-def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | None = None) -> dist.Store:
+def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | None = None,
+               notice_after: float = 0.0) -> dist.Store:
     """Connect to (or, on rank 0, host) the TCPStore and wait until every rank of this job has arrived.
+
+    A rank late to ``init()`` is a hang before any collective: after ``notice_after`` seconds (the
+    stall timeout; 0: never) of waiting, and again after each further such period, every waiting rank
+    says how many ranks joined, and rank 0 which are missing.
 
     One deadline covers every step: torch's client retries its connection with a backoff that
     overshoots its timeout about twice over, so a client first waits for the port with plain sockets.
@@ -76,7 +81,7 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
             address=address, timeout=None)
     if group.add("arrived", 1) == env.world_size:
         group.set("complete", "1")
-    _wait_complete(env, store, group, address, timeout, deadline)
+    _wait_complete(env, store, group, address, timeout, deadline, notice_after)
     return group
 
 
@@ -118,15 +123,22 @@ def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, ag
 
 
 def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: str, timeout: timedelta,
-                   deadline: float) -> None:
-    """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused."""
+                   deadline: float, notice_after: float) -> None:
+    """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused, and every
+    rank, after ``notice_after`` seconds, who it waits for."""
     pause, seen = _POLL[0], 0
+    start = time.monotonic()
+    notice = start + notice_after if notice_after > 0 else float("inf")
     try:
         while not group.check(["complete"]):
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError
             if env.rank == 0:
                 seen = tell_of_intruders(store, seen, address, _tell)
+            if now >= notice:
+                notice = now + notice_after
+                _tell_waiting(env, group, address, now - start, deadline - now)
             time.sleep(pause)
             pause = min(_POLL[1], pause * 2)
     except (RuntimeError, OSError, TimeoutError) as e:
@@ -141,6 +153,17 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             f"(this is rank {env.rank}).",
             "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
             address=address, timeout=timeout.total_seconds()) from e
+
+
+def _tell_waiting(env: DistEnv, group: dist.Store, address: str, waited: float, left: float) -> None:
+    """``ddpkit: rank 0 waits in init() for the other ranks: 1 of WORLD_SIZE=2 joined, missing: rank 1``."""
+    missing = _missing(group, env.world_size) if env.rank == 0 else ""
+    # ddpkit run prefixes each line with its rank already
+    prefix = "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {env.rank}] "
+    _tell(f"{prefix}ddpkit: this rank waits in ddpkit.init() at {address} for the others: "
+          f"{group.add('arrived', 0)} of WORLD_SIZE={env.world_size} ranks joined{missing}, for {waited:.0f} s; "
+          f"it gives up in {left:.0f} s. A rank late to init() is still starting, or stuck before it; one "
+          "that never comes was launched with another MASTER_ADDR/MASTER_PORT or WORLD_SIZE, or failed.")
 
 
 def _missing(group: dist.Store, world_size: int) -> str:

@@ -177,6 +177,19 @@ def test_rendezvous_that_cannot_complete_says_how_many_joined():
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_waiting_for_late_ranks_in_init_says_who_it_waits_for():
+    # a rank late to init() is a hang before any collective: it is told after the stall timeout
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    result = _run_python(INIT_WITH_SHORT_TIMEOUT, {**rank_env(0, 3, store.port), "DDPKIT_STALL_TIMEOUT": "0.5"})
+    assert result.returncode == 3, result.stderr
+    notices = [line for line in result.stderr.splitlines() if "waits in ddpkit.init()" in line]
+    assert 2 <= len(notices) <= 4, result.stderr  # every 0.5 s of the 2 s timeout
+    assert notices[0].startswith(f"[rank 0] ddpkit: this rank waits in ddpkit.init() at 127.0.0.1:{store.port}")
+    assert re.search(r"1 of WORLD_SIZE=3 ranks joined, missing: ranks 1, 2, for \d+ s; it gives up in \d+ s",
+                     notices[0]), notices[0]
+
+
+@pytest.mark.timeout(60)
 def test_unreachable_rendezvous_names_the_address():
     with socket.socket() as held:  # bound but not listening: connections are refused, port not reused
         held.bind(("127.0.0.1", 0))
