@@ -27,13 +27,14 @@ from ddpkit.ddp.autograd_engine import (
 )
 from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import BucketLayout
-from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives, CommHook
+from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
 from ddpkit.ddp.cpu_share import own_cpu_cap
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.outputs import unreached_parameters
 from ddpkit.ddp.profiling import bucket_range, profiled
+from ddpkit.ddp.reducer_config import ReducerConfig
 from ddpkit.ddp.usage import ParameterUsage
 
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
@@ -42,7 +43,7 @@ __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
 _IDLE, _REDUCING, _FINALIZED = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED
 
 
-class Reducer:
+class Reducer(ReducerConfig):
     """Average the gradients of ``params`` (named ``names``) over ``process_group`` during backward.
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
@@ -99,35 +100,6 @@ class Reducer:
     def buckets(self) -> list[Bucket]:
         """The buckets, in launch order."""
         return self.layout.buckets
-
-    # ---- configuration -------------------------------------------------------------------------
-    def rebuild_buckets_if_due(self) -> bool:
-        """After the first synced backward, rebuild once in rank 0's gradient-ready order (a broadcast:
-        a joined rank calls this too). With static_graph, after the second: the first one counts
-        gradient hooks instead of recording when each parameter became ready."""
-        if self.layout.rebuilt or self.iterations < (2 if self.usage.static_graph else 1):
-            return False
-        self.layout.rebuild(self.group, hooked=self.collectives.comm_hook is not None)
-        self._renew()
-        return True
-
-    def set_static_graph(self) -> None:
-        """Turn static_graph on before the first forward."""
-        if self.forwards:
-            raise self.logger.logged(errors.late_static_graph_error(self.rank, self.forwards))
-        self.usage.static_graph = True
-        self.layout.expect_rebuild()
-        self._renew()
-
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        self.collectives.set_comm_hook(state, hook)
-        if not self.forwards:  # before training, as torch asks: the hook gets torch's buckets
-            self.layout.build_initial(hooked=True)
-            self._renew()
-
-    def set_join_count(self, work: Any) -> None:
-        """Divide by the number of ranks still active (``Join(divide_by_initial_world_size=False)``)."""
-        self._join_work = work
 
     # ---- the forward side ----------------------------------------------------------------------
     def prepare_for_forward(self) -> None:
@@ -314,15 +286,6 @@ class Reducer:
         it.mark_unused(missing)
         self._mark_bucket_ready(it)
         return missing
-
-    # ---- a joined rank -------------------------------------------------------------------------
-    def shadow_backward(self) -> None:
-        """A joined rank's backward: the collectives of an active rank's ``finalize_backward``, in
-        order, with zero gradients (see Note [Join shadowing] in docs/design.md)."""
-        used_map = self.usage.shadow_used_map if self._iteration.tolerant else None
-        self.collectives.shadow(self.layout.buckets, used_map, self.usage.static_graph)
-        self.iterations += 1
-        self._renew()
 
     # ---- iterations ----------------------------------------------------------------------------
     def _end_iteration(self, it: Iteration, phase: Phase, counted: bool = True) -> None:
