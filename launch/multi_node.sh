@@ -42,6 +42,18 @@ if [[ -z "${NPROC:-}" ]]; then
     fi
 fi
 
+whole_number() {  # NAME VALUE [ALSO]: a whole number, or one of the words ALSO allows
+    if [[ -n "${3:-}" && " $3 " == *" $2 "* ]]; then return; fi
+    if [[ -z "$2" || "$2" == *[!0-9]* ]]; then
+        echo "launch/multi_node.sh: $1=$2 must be a whole number${3:+ (or one of: $3)}" >&2
+        exit 2
+    fi
+}
+whole_number NNODES "$NNODES"
+whole_number NODE_RANK "$NODE_RANK"
+whole_number RESTARTS "${RESTARTS:-0}"
+whole_number NPROC "$NPROC" "gpu cpu auto"
+
 exec "${PYTHON:-python3}" -m ddpkit run \
     --nnodes "$NNODES" \
     --node-rank "$NODE_RANK" \

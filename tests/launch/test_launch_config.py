@@ -222,6 +222,19 @@ def test_multi_node_script_on_a_node_without_gpu_asks_for_nproc(tmp_path):
     assert result.returncode == 2 and "set NPROC, the workers per node" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("name, variables, message", [
+    ("single_node.sh", {"NPROC": "abc"}, "NPROC=abc must be a number of workers"),
+    ("single_node.sh", {"NPROC": "2", "RESTARTS": "x"}, "RESTARTS=x must be a whole number"),
+    ("multi_node.sh", {"NPROC": "1", "NNODES": "two"}, "NNODES=two must be a whole number"),
+    ("multi_node.sh", {"NPROC": "many"}, "NPROC=many must be a whole number (or one of: gpu cpu auto)"),
+])
+def test_launch_scripts_name_the_variable_that_is_wrong(name, variables, message):
+    path = Path(__file__).resolve().parents[2] / "launch" / name
+    env = {"PATH": "/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "JOB_ID": "j", **variables}
+    result = subprocess.run(["bash", str(path), "train.py"], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and f"launch/{name}: {message}" in result.stderr, result.stderr
+
+
 def test_multi_node_script_refuses_an_unnamed_run():
     # two unnamed runs on one node 0 and port cannot be told apart: one would take the other's nodes
     path = Path(__file__).resolve().parents[2] / "launch" / "multi_node.sh"
