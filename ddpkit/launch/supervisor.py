@@ -82,6 +82,8 @@ class Supervisor:
                 self._error_dir = self._log_dir or tempfile.mkdtemp(prefix="ddpkit-run-")
                 self._watchdog = Watchdog()
                 self._keep.add(self._watchdog.pid or 0)
+                if self._error_dir != self._log_dir:  # ours: gone with us, even if we are killed
+                    self._watchdog.remove_on_kill(self._error_dir)
                 layout = self.rendezvous.join(self._aborted)
                 for attempt in range(self.config.max_restarts + 1):
                     outcome = self.run_attempt(attempt, layout)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,10 @@ class Watchdog:
 
     def add(self, pid: int) -> None:
         self._send(f"{pid}\n")
+
+    def remove_on_kill(self, path: str) -> None:
+        """A directory of the launcher's own, removed too if the launcher is killed."""
+        self._send(f"rmtree {path}\n")
 
     def close(self) -> None:
         """The launcher cleaned up itself: let the watchdog go without killing anything."""
@@ -147,6 +152,7 @@ def _main() -> None:
         signal.signal(sig, signal.SIG_IGN)  # only the launcher's end of the pipe decides
     sessions: set[int] = set()
     recorded: dict[int, int] = {}  # every worker and descendant seen: pid -> start time
+    directories: list[str] = []  # the launcher's own, removed after the kill
     pending, next_scan = b"", time.monotonic() + _SCAN_EVERY
     while True:
         if select.select([0], [], [], max(0.0, next_scan - time.monotonic()))[0]:
@@ -157,6 +163,8 @@ def _main() -> None:
             for line in lines:
                 if line.strip() == b"exit":
                     return
+                if line.startswith(b"rmtree "):
+                    directories.append(os.fsdecode(line[len(b"rmtree "):]))
                 if line.strip().isdigit():
                     sessions.add(int(line))
                     recorded[int(line)] = _start_time(int(line))
@@ -164,6 +172,8 @@ def _main() -> None:
             recorded = _descendants(recorded, _processes())  # the gone are forgotten
             next_scan = time.monotonic() + _SCAN_EVERY
     kill_sessions(sessions, recorded, sys.argv[1] if len(sys.argv) > 1 else None)
+    for path in directories:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _start_time(pid: int) -> int:

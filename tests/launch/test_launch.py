@@ -539,9 +539,16 @@ def test_launcher_killed_with_sigkill_leaves_no_worker(job, tmp_path):
     job.wait_for_files("pids_*.json", 2)
     pids = job.pids()
     assert len(pids) == 4  # two workers, each with a child
+    error_file = psutil.Process(job.worker_pid(0)).environ()["TORCHELASTIC_ERROR_FILE"]
+    own_dir = Path(error_file).parents[1]  # the launcher's own directory for the error files
+    assert own_dir.is_dir()
     launcher.kill()
     launcher.communicate(timeout=10)
     assert_all_gone(pids)  # workers by their death signal, their children by the watchdog
+    deadline = time.monotonic() + 10
+    while own_dir.exists():  # the watchdog removes it after the kill
+        assert time.monotonic() < deadline, f"{own_dir} was left behind"
+        time.sleep(0.05)
 
 
 @pytest.mark.timeout(60)
