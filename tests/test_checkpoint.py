@@ -133,6 +133,15 @@ def test_only_rank_0_writes_and_every_rank_reads_the_complete_file(tmp_path):
     assert ddpkit.load(path) == {"rank": 0}
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
+def test_a_save_that_fails_names_the_path_asked_for_not_only_the_temporary_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError) as caught:
+        ddpkit.save({}, tmp_path / "file" / "x.pt")  # a file where a directory should be
+    assert f"ddpkit.save could not write {str(tmp_path / 'file' / 'x.pt')!r}" in caught.value.__notes__[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # latest_checkpoint
 
@@ -145,6 +154,19 @@ def test_latest_checkpoint_takes_the_highest_step_that_is_complete(tmp_path):
     (tmp_path / "step_20.pt").write_bytes(whole[: len(whole) // 2])  # torn by a non-atomic writer
     (tmp_path / ".step_30.pt.tmp-abc").write_bytes(whole)  # a temporary of ddpkit.save
     assert latest_checkpoint(tmp_path) == tmp_path / "step_10.pt"
+
+
+@pytest.mark.timeout(10)
+def test_latest_checkpoint_compares_the_numbers_of_a_name_in_order_and_takes_torchs_legacy_format(tmp_path):
+    ddpkit.save({}, tmp_path / "step_00000010.pt")
+    ddpkit.save({}, tmp_path / "step_00000100_rank0.pt")  # a number after the step: still step 100
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000100_rank0.pt"
+    torch.save({}, tmp_path / "step_00000300.pt", _use_new_zipfile_serialization=False)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000300.pt"
+    epochs = tmp_path / "epochs"
+    for name in ("epoch3_step100.pt", "epoch4_step50.pt", "epoch4_step20.pt"):
+        ddpkit.save({}, epochs / name)
+    assert latest_checkpoint(epochs) == epochs / "epoch4_step50.pt"
 
 
 @pytest.mark.timeout(10)
@@ -189,6 +211,21 @@ def test_load_state_dict_moves_weights_between_wrapped_and_plain_models():
     for model in (plain, wrapped.module):
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      source.state_dict().values()))
+
+
+@pytest.mark.timeout(10)
+def test_load_state_dict_wraps_a_model_whose_own_submodule_is_called_module():
+    class Ema(nn.Module):  # as timm's ModelEmaV2: its keys start with "module." unwrapped
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(3, 2)
+
+    source = Ema()
+    wrapped, plain = Wrapper(Ema()), Ema()
+    load_state_dict(wrapped, source.state_dict())            # bare -> wrapped: "module.module.weight"
+    load_state_dict(plain, Wrapper(source).state_dict())     # wrapped -> bare
+    for model in (wrapped.module, plain):
+        assert torch.equal(model.module.weight, source.module.weight)
 
 
 @pytest.mark.timeout(10)

@@ -46,6 +46,8 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             broadcast_object(error)  # release the waiting ranks before raising here
+            if isinstance(e, Exception) and hasattr(e, "add_note"):  # the OS names the temporary file
+                e.add_note(f"ddpkit.save could not write {str(path)!r} (through a temporary file beside it).")
             raise
     # doubles as the barrier: no rank returns before rank 0 has renamed the file into place
     error = broadcast_object(error)
@@ -141,23 +143,36 @@ def _fsync_directory(directory: Path) -> None:
 def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "*.pt") -> Path | None:
     """The newest complete checkpoint in ``directory`` matching ``pattern``, or None.
 
-    Newest means the largest number in the file name (``step_00000120.pt``), then the latest
-    modification time. Complete means not one of ``save``'s temporary files and a whole zip archive
-    (torch's format): a file torn by a writer that was not atomic lacks the archive's trailing
-    directory and is skipped.
+    Newest means the largest numbers in the file name, compared in order (``step_00000120.pt``
+    after ``step_00000090_rank0.pt``, ``epoch4_step50.pt`` after ``epoch3_step100.pt``), then the
+    latest modification time. Complete means not one of ``save``'s temporary files and a whole zip
+    archive (torch's format): a file torn by a writer that was not atomic lacks the archive's
+    trailing directory and is skipped. A file in torch's legacy format
+    (``_use_new_zipfile_serialization=False``) has no such trailer and is taken as it is.
     """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     candidates = [p for p in directory.glob(pattern)
-                  if p.is_file() and _TMP_MARK not in p.name and zipfile.is_zipfile(p)]
+                  if p.is_file() and _TMP_MARK not in p.name and (zipfile.is_zipfile(p) or _is_legacy(p))]
     if not candidates:
         return None
     return max(candidates, key=lambda p: (_step_of(p), p.stat().st_mtime_ns, p.name))
 
 
-def _step_of(path: Path) -> int:
-    numbers = re.findall(r"\d+", path.stem)
-    return int(numbers[-1]) if numbers else -1
+def _step_of(path: Path) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", path.stem))
+
+
+# torch.save's legacy format begins with its magic number, pickled with protocol 2
+_LEGACY_START = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def _is_legacy(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_LEGACY_START)) == _LEGACY_START
+    except OSError:
+        return False
 
 

@@ -72,8 +72,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     """``module.load_state_dict(state_dict)`` that bridges wrapped and unwrapped models.
 
     The dict is loaded as is when its keys are the module's; with ``prefix`` stripped when every
-    key has it and that gives the module's keys; with ``prefix`` added when no key has it and that
-    gives the module's keys. Nothing else is guessed.
+    key has it and that gives the module's keys; with ``prefix`` added when that gives the module's
+    keys (a bare model whose own submodule is called ``module`` has it on every key already).
+    Nothing else is guessed.
 
     Returns:
         torch's ``(missing_keys, unexpected_keys)``.
@@ -87,8 +88,10 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     variants: list[tuple[str, Mapping[str, Any]]] = [("as is", state_dict)]
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         variants.append((f"with {prefix!r} removed", unwrap_state_dict(state_dict, prefix)))
-    if state_dict and not any(k.startswith(prefix) for k in state_dict):
-        variants.append((f"with {prefix!r} added", wrap_state_dict(state_dict, prefix)))
+    if state_dict:  # also where every key starts with it: a model whose own submodule is "module"
+        top = prefix.rstrip(".")
+        variants.append((f"with {prefix!r} added",
+                         _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)))
     for _, candidate in variants:
         if set(candidate) == wanted:
             return module.load_state_dict(candidate, strict=strict)
