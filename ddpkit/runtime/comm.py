@@ -29,7 +29,11 @@ REDUCE_OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
     "prod": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,  # bitwise, of integer and bool tensors, as torch's
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
 }
+_BITWISE = ("band", "bor", "bxor")
 
 
 # every dtype torch has, by a code that is the same in every process (sorted by name)
@@ -71,11 +75,15 @@ def _reduce_op(op: Any) -> tuple[str, Any]:
     return op.lower(), REDUCE_OPS[op.lower()]
 
 
-def _check_mean(function: str, op_name: str, tensor: torch.Tensor) -> None:
-    """A mean divides in place, which an integer tensor cannot hold: refuse it on every world size."""
+def _check_op_dtype(function: str, op_name: str, tensor: torch.Tensor) -> None:
+    """A mean divides in place, which an integer tensor cannot hold, and a bitwise reduction needs bits
+    to combine: refuse either on every world size."""
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(explain(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}.",
                                 "convert with .float(), or reduce with op='sum'."))
+    if op_name in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(explain(f"{function}(op={op_name!r}) is bitwise and needs an integer or bool tensor, "
+                                f"got {tensor.dtype}.", "reduce with op='max' or 'min', or convert the tensor."))
 
 
 def _check_tensor(name: str, tensor: Any) -> None:
@@ -92,13 +100,14 @@ def _widens(name: str, tensor: torch.Tensor) -> bool:
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; returns it.
 
-    ``op`` is "sum", "mean", "max", "min" or "product", or torch's ``dist.ReduceOp`` of the same name
-    (``ReduceOp.AVG`` is "mean"). A mean needs a floating-point tensor; a 16-bit one is summed in
-    float32, so that the sum cannot overflow where the mean would not.
+    ``op`` is "sum", "mean", "max", "min", "product" or the bitwise "band", "bor", "bxor", or
+    torch's ``dist.ReduceOp`` of the same name (``ReduceOp.AVG`` is "mean"). A mean needs a
+    floating-point tensor; a 16-bit one is summed in float32, so that the sum cannot overflow where
+    the mean would not. A bitwise one needs an integer or bool tensor.
     """
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
-    _check_mean("all_reduce", name, tensor)
+    _check_op_dtype("all_reduce", name, tensor)
     world_size = _world_size(group, "all_reduce")
     if world_size == 1:
         return tensor
@@ -232,9 +241,13 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
                              "ranks: pass exactly one per rank.")
         for i, chunk in enumerate(chunks):
             _check_tensor(f"tensor[{i}]", chunk)
+            if chunk.dtype != chunks[0].dtype:  # one flat all-reduce would promote them all
+                raise TypeError(explain(f"reduce_scatter's tensors must share a dtype: tensor[0] is "
+                                        f"{chunks[0].dtype}, tensor[{i}] is {chunk.dtype}.",
+                                        "convert them to one dtype first."))
     name, reduce_op = _reduce_op(op)
     for chunk in chunks:
-        _check_mean("reduce_scatter", name, chunk)
+        _check_op_dtype("reduce_scatter", name, chunk)
     if world_size == 1:
         return chunks[0].clone()
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)

@@ -52,6 +52,42 @@ def test_mean_of_an_integer_tensor_is_refused():
         ddpkit.reduce_scatter(torch.arange(4), "mean")
 
 
+def _bitwise_as_torch():
+    rank = dist.get_rank()
+    results = {}
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        for dtype in (torch.int64, torch.uint8, torch.bool):
+            values = torch.tensor([0b1100, 0b1010, 0, 1]) if rank == 0 else torch.tensor([0b1010, 0b0110, 1, 1])
+            ours, theirs = values.to(dtype), values.to(dtype).clone()
+            ddpkit.all_reduce(ours, op)
+            dist.all_reduce(theirs, op)
+            results[f"{op}-{dtype}"] = torch.equal(ours, theirs)
+    name = ddpkit.all_reduce(torch.tensor([6, 3]), "bxor")
+    return results, name.tolist()
+
+
+def test_bitwise_reductions_are_torchs():
+    for results, xor in run_ranks(_bitwise_as_torch, 2):
+        assert all(results.values()) and len(results) == 9, results
+        assert xor == [0, 0]
+    with pytest.raises(TypeError, match=r"all_reduce\(op='band'\) is bitwise .* got torch.float32"):
+        ddpkit.all_reduce(torch.ones(2), dist.ReduceOp.BAND)
+
+
+def _reduce_scatter_of_two_dtypes():
+    try:
+        ddpkit.reduce_scatter([torch.ones(2, dtype=torch.float16), torch.ones(2)])
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_reduce_scatter_refuses_tensors_of_several_dtypes():
+    # one flat all-reduce would promote them, and rank 0 would get float32 for its float16 chunk
+    for message in run_ranks(_reduce_scatter_of_two_dtypes, 2):
+        assert message and "tensor[0] is torch.float16, tensor[1] is torch.float32" in message
+
+
 def test_src_may_be_any_integer_type_as_in_torch():
     np = pytest.importorskip("numpy")
     t = torch.tensor([1.0])
