@@ -88,7 +88,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     variants: list[tuple[str, Mapping[str, Any]]] = [("as is", state_dict)]
     if state_dict and all(k.startswith(prefix) for k in state_dict):
         variants.append((f"with {prefix!r} removed", unwrap_state_dict(state_dict, prefix)))
-    if state_dict:  # also where every key starts with it: a model whose own submodule is "module"
+    # also where the keys start with it already, for a wrapped model: a bare model whose own
+    # submodule is "module" has it on every key
+    if state_dict and (not any(k.startswith(prefix) for k in state_dict) or any(k.startswith(prefix) for k in target)):
         top = prefix.rstrip(".")
         variants.append((f"with {prefix!r} added",
                          _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)))
