@@ -161,3 +161,19 @@ def peer_exit_caught(rank: int) -> None:
         print(f"caught on rank {rank}: {type(e).__name__}", flush=True)
     finally:
         print(f"finally ran on rank {rank}", flush=True)
+
+
+def leaves_then_lingers(rank: int) -> None:
+    """Rank 1 leaves with ddpkit.shutdown() and goes on with other work; rank 0's next all-reduce
+    must fail as soon as it leaves (as under torch), not when its process ends."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 1:
+        ddpkit.shutdown()
+        time.sleep(SLOW_SECONDS)
+        return
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)  # <- lingers-waits
+    except RuntimeError:
+        print(f"raised after {time.monotonic() - start:.1f} s", flush=True)

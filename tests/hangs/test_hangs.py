@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from jobs import line_of, run_job
+from scenarios import SLOW_SECONDS
 
 from ddpkit import HANG_EXIT_CODE
 
@@ -180,6 +181,15 @@ def test_a_script_catches_the_error_of_a_collective_whose_peer_exited(tmp_path):
     assert line_of("caught-waits") in verdict, job.log()
     assert text.index("What next:") < text.index("caught on rank 0")
     assert job.seconds < PROMPT
+
+
+def test_a_rank_that_shut_down_lets_go_of_its_connections_at_once(tmp_path):
+    # the recorder held the group through its logs: the peer learnt of the exit only when the
+    # process ended (SLOW_SECONDS later)
+    job = run_job("leaves_then_lingers", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [0, 0], job.log()
+    seconds = float(re.search(r"raised after ([0-9.]+) s", job.logs[0]).group(1))
+    assert seconds < SLOW_SECONDS - 1, job.log()
 
 
 def test_the_rank_that_hosts_the_store_killed(tmp_path):

@@ -64,6 +64,7 @@ class HangWatch:
         if self.watchdog is not None:
             self.watchdog.stop()
         self.recorder.uninstall()
+        self.recorder.forget()
 
     def _at_exit(self) -> None:
         error = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script

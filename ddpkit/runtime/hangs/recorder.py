@@ -180,6 +180,13 @@ class Recorder:
         if self in _INSTALLED:
             _INSTALLED.remove(self)
 
+    def forget(self) -> None:
+        """Let go of the groups, their records and the hooks, at the group's end: a record's Work and
+        the logs' keys hold the process group, whose connections stay open while anything holds it
+        (a peer waiting on this rank would not learn that it left until this process ends)."""
+        self.logs.clear()
+        self.before = self.failed = None
+
     def _wrap(self, op: str, fn: Callable, tensor_arg: str | None, root_arg: str | None) -> Callable:
         names = list(inspect.signature(fn).parameters)
         group_at, async_at = names.index("group"), names.index("async_op")
