@@ -40,6 +40,17 @@ def test_one_rank_elsewhere_in_a_large_job_is_one_line_and_slow():
     assert not report["certain"]
 
 
+def test_a_rank_inside_backward_is_said_to_maybe_wait_in_torchs_own_ddp():
+    # torch's DistributedDataParallel all-reduces from C++ inside backward(): no record shows it
+    answers = {0: _state(0, [_item(9, op="barrier", what="")], ranks=2),
+               1: _state(1, where="train.py:20 in <module>", ranks=2)}
+    answers[1]["top"] = "/venv/lib/python3.11/site-packages/torch/autograd/graph.py:829 in _engine_run_backward()"
+    text = _report(answers)["text"]
+    assert ("rank 1: in no collective; at train.py:20 in <module>, inside backward() (if torch's own "
+            "DistributedDataParallel wraps the model, its all-reduces run there from C++") in text
+    assert "this rank may wait in one)" in text
+
+
 def test_a_collective_that_failed_is_not_called_slow():
     # rank 1's barrier timed out while rank 0 still works elsewhere: an error ends the job, not a hang
     answers = {0: _state(0, where="eval.py:41 in evaluate()", ranks=2),

@@ -62,9 +62,16 @@ def _waiting_in(state: dict[str, Any], name: str) -> dict | None:
     return None
 
 
+# the innermost frame of a rank inside backward(), in the autograd engine's call
+_IN_BACKWARD = re.compile(r"torch[/\\]autograd[/\\](graph|__init__)\.py:\d+ in (_engine_run_backward|backward)\(\)$")
+
+
 def _where(state: dict[str, Any]) -> str:
     where = state.get("where") or "an unknown place"
     top = state.get("top")
+    if top and _IN_BACKWARD.search(top):  # torch's own DDP reduces there, from C++, unrecorded
+        return (f"{where}, inside backward() (if torch's own DistributedDataParallel wraps the model, its "
+                "all-reduces run there from C++, which ddpkit does not record: this rank may wait in one)")
     return where if not top or top == where else f"{where} (innermost: {top})"
 
 
