@@ -48,6 +48,10 @@ def wrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> Orde
     if having:
         raise ValueError(explain(f"cannot wrap: {len(having)} of {len(state_dict)} keys already start with "
                                  f"{prefix!r}, e.g. {having[:3]}.", "the dict is already wrapped; load it as is."))
+    return _prefixed(state_dict, prefix)
+
+
+def _prefixed(state_dict: Mapping[str, Any], prefix: str) -> OrderedDict[str, Any]:
     top = prefix.rstrip(".")
     return _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)
 
@@ -91,9 +95,7 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     # also where the keys start with it already, for a wrapped model: a bare model whose own
     # submodule is "module" has it on every key
     if state_dict and (not any(k.startswith(prefix) for k in state_dict) or any(k.startswith(prefix) for k in target)):
-        top = prefix.rstrip(".")
-        variants.append((f"with {prefix!r} added",
-                         _rename(state_dict, lambda k: prefix + k, lambda path: prefix + path if path else top)))
+        variants.append((f"with {prefix!r} added", _prefixed(state_dict, prefix)))
     for _, candidate in variants:
         if set(candidate) == wanted:
             return module.load_state_dict(candidate, strict=strict)

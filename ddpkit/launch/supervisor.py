@@ -70,7 +70,7 @@ class Supervisor:
         self._error_dir: str | None = None  # set by run()
         self._log_dir: str | None = None  # this run's own directory in --log-dir, made by run()
         self._consequence_since: float | None = None  # when a consequence's exit came first
-        self._attempt = 0  # the attempt running
+        self._consequence_files: dict[int, str] = {}  # this attempt's, by rank
 
     def run(self) -> int:
         with SignalInbox() as self._inbox:
@@ -107,7 +107,7 @@ class Supervisor:
         master_addr, master_port = self.rendezvous.begin_attempt(attempt, self._aborted)
         if self.stop_signal is not None:
             return Outcome("signal", 128 + self.stop_signal)
-        self._workers, self._consequence_since, self._attempt = [], None, attempt
+        self._workers, self._consequence_since, self._consequence_files = [], None, {}
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
@@ -161,7 +161,8 @@ class Supervisor:
                              error_file=error_file_path(self._error_dir, attempt, place.rank))
             if self._watchdog is not None:
                 env[TOKEN_VARIABLE] = self._watchdog.token  # inherited: marks the job's processes
-            env[CONSEQUENCE_FILE_VARIABLE] = self._consequence_file(place.rank, create=True)
+            env[CONSEQUENCE_FILE_VARIABLE] = self._consequence_files[place.rank] = error_file_path(
+                self._error_dir, attempt, place.rank, "consequence")
             log = log_path(self._log_dir, attempt, place.rank) if self._log_dir else None
             workers.append(spawn_worker(cfg.command, env, place, log, shown=cfg.console.shows(local_rank)))
             if self._watchdog is not None:
@@ -194,17 +195,13 @@ class Supervisor:
                 return Outcome("remote", remote.get("code") or 1, remote=remote)
             time.sleep(self.config.monitor_interval)
 
-    def _consequence_file(self, rank: int, create: bool = False) -> str:
-        """The file a worker creates when it fails because a peer went away (``ddpkit.runtime.hangs``)."""
-        if create:
-            return error_file_path(self._error_dir, self._attempt, rank, "consequence")
-        return os.path.join(self._error_dir, f"attempt_{self._attempt}", f"rank_{rank}.consequence")
-
     def _is_consequence(self, worker: Worker) -> bool:
-        """A hang report's exit, or a collective's error because a peer went away: not a cause."""
+        """A hang report's exit, or a collective's error because a peer went away (the worker then
+        created its ``CONSEQUENCE_FILE_VARIABLE`` file, ``ddpkit.runtime.hangs``): not a cause."""
         if worker.process.returncode == HANG_EXIT_CODE:
             return True
-        return self._error_dir is not None and os.path.exists(self._consequence_file(worker.rank))
+        path = self._consequence_files.get(worker.rank)
+        return path is not None and os.path.exists(path)
 
     def _await_cause(self, failed: list[Worker]) -> bool:
         """Whether to wait for the cause: every failure so far is a consequence (the rank saw a peer
