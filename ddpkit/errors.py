@@ -10,12 +10,14 @@ This module imports nothing of ddpkit, so that every part of ddpkit can raise th
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "StaticGraphChangedError",
-           "DenseGradientError", "RanksDisagreeError", "CommHookError", "NotInitializedError", "LauncherVariableError",
-           "RendezvousError", "CheckpointSaveError", "StateDictMismatchError", "CollectiveMismatchError",
-           "ReplicaCountError", "BatchDimError", "EmptyListError", "OutputKeysError"]
+__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError",
+           "StaticGraphChangedError", "DenseGradientError", "RanksDisagreeError", "CommHookError",
+           "NotInitializedError", "LauncherVariableError", "RendezvousError", "CheckpointSaveError",
+           "StateDictMismatchError", "CollectiveMismatchError", "ReplicaCountError", "BatchDimError", "EmptyListError",
+           "OutputKeysError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -29,6 +31,12 @@ def explain(what: str, hint: str | None = None, *, who: str | None = None, rank:
         where = "" if rank is None else f" on rank {rank}"
         what = f"{who}{where}: {what}"
     return what if hint is None else f"{what} HINT: {hint}"
+
+
+def rank_prefix(rank: int) -> str:
+    """``"[rank 3] "`` before a line a rank writes to stderr itself; none under ``ddpkit run``, which
+    prefixes each worker's lines with its rank already."""
+    return "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {rank}] "
 
 
 class _Facts:

@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-from ddpkit.errors import RendezvousError, explain
+from ddpkit.errors import RendezvousError, explain, rank_prefix
 from ddpkit.runtime.environments.dist_env import DistEnv
 from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.hangs.report import rank_list
@@ -158,9 +158,7 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
 def _tell_waiting(env: DistEnv, group: dist.Store, address: str, waited: float, left: float) -> None:
     """``ddpkit: rank 0 waits in init() for the other ranks: 1 of WORLD_SIZE=2 joined, missing: rank 1``."""
     missing = _missing(group, env.world_size) if env.rank == 0 else ""
-    # ddpkit run prefixes each line with its rank already
-    prefix = "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {env.rank}] "
-    _tell(f"{prefix}ddpkit: this rank waits in ddpkit.init() at {address} for the others: "
+    _tell(f"{rank_prefix(env.rank)}ddpkit: this rank waits in ddpkit.init() at {address} for the others: "
           f"{group.add('arrived', 0)} of WORLD_SIZE={env.world_size} ranks joined{missing}, for {waited:.0f} s; "
           f"it gives up in {left:.0f} s. A rank late to init() is still starting, or stuck before it; one "
           "that never comes was launched with another MASTER_ADDR/MASTER_PORT or WORLD_SIZE, or failed.")

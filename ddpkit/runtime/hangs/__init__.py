@@ -86,7 +86,7 @@ class HangWatch:
         for log in self.recorder.groups():
             if log.ring and (last is None or log.ring[-1].start > last.start):
                 last = log.ring[-1]
-        return "none" if last is None else f"{last.op} #{last.seq} at {format_site(last.site)}"
+        return "none" if last is None else last.label()
 
     def _collective_failed(self, record: Record | None, error: BaseException) -> bool:
         """A collective raised: if a peer went away, ask everyone at once, so that the report says who

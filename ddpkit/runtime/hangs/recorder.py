@@ -101,6 +101,10 @@ class Record:
             text = f"{text}, op={self.reduction}"
         return text
 
+    def label(self) -> str:
+        """``all_reduce #12 at train.py:88 in step()``: which collective, and where it was called."""
+        return f"{self.op} #{self.seq} at {format_site(self.site)}"
+
     def describe(self, now: float) -> dict[str, Any]:
         return {"seq": self.seq, "op": self.op, "what": self.what(), "site": format_site(self.site),
                 "via": self.via, "age": round(now - self.start, 1), "error": self.error,

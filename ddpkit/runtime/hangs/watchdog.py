@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from ddpkit.errors import rank_prefix
 from ddpkit.runtime.hangs.callsite import format_site, thread_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
@@ -128,7 +129,7 @@ class Watchdog(threading.Thread):
         if report["picture"] != self._last_picture or report["certain"]:
             self._last_picture = report["picture"]
             # ddpkit run prefixes each line with its rank already; other launchers mix the ranks' lines
-            prefix = "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {self.rank}] "
+            prefix = rank_prefix(self.rank)
             sys.stderr.write(prefix + report["text"].replace("\n", "\n" + prefix) + "\n")
             sys.stderr.flush()
         if report["certain"]:
@@ -146,7 +147,7 @@ class Watchdog(threading.Thread):
         """End the process; first say so, so that a peer whose collective fails because of this exit
         does not take it for a failure of its own making (it then ends too)."""
         oldest = self.recorder.oldest_outstanding()
-        where = "no collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
+        where = "no collective" if oldest is None else oldest.label()
         try:
             self.inquiry.last_word({"how": "hang", "code": HANG_EXIT_CODE, "where": where,
                                     "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
@@ -160,7 +161,7 @@ class Watchdog(threading.Thread):
         if not (self._wanted.is_set() or self._stalled()):
             return
         oldest = self.recorder.oldest_outstanding() or self.recorder.latest_failed()
-        where = "a collective" if oldest is None else f"{oldest.op} #{oldest.seq} at {format_site(oldest.site)}"
+        where = "a collective" if oldest is None else oldest.label()
         first = str(error).splitlines()[0] if str(error) else ""
         sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where}, and the rendezvous store "
                          f"is unreachable ({type(error).__name__}: {first}): the launcher or the rank hosting "
