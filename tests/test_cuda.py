@@ -176,3 +176,20 @@ def test_a_rank_lacking_gradients_on_the_gpu_raises_on_every_rank(nccl_only):
     for rank, message in enumerate(run_ranks(_lacking_gradients_on_the_gpu, 2, args=(nccl_only,), timeout=100)):
         assert message.startswith("step 2: "), (rank, message)
         assert "rank 1: 'some.weight', 'some.bias'" in message and f"(this is rank {rank})" in message
+
+
+def test_a_devices_buckets_share_one_block_which_the_allocator_rounds_up_once():
+    """Two buckets of 11.05 MiB: a block each would be rounded up to 12 MiB each by the caching
+    allocator (24 MiB), one block of 22.1 MiB is split off a 24 MiB segment (Note [One block per device])."""
+    from ddpkit.ddp.bucket_layout import BLOCK_ALIGN_BYTES, BucketLayout
+
+    numel = int(11.05 * 2**20) // 4
+    params = [torch.nn.Parameter(torch.zeros(numel, device="cuda")) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    layout = BucketLayout(params, 8 * 2**20, 8 * 2**20, as_view=False, rebuild=True)  # a bucket each
+    taken = torch.cuda.memory_allocated() - before
+    assert len(layout.buckets) == 2
+    assert len({b.flat.untyped_storage().data_ptr() for b in layout.buckets}) == 1
+    assert taken <= 2 * numel * 4 + 2 * BLOCK_ALIGN_BYTES, taken

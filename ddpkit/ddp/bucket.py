@@ -102,7 +102,7 @@ class Bucket(GradBucketBasics):
     sparse = False  # a SparseBucket (ddpkit.ddp.sparse_bucket) is launched its own way
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], param_indices: list[int],
-                 is_last: bool, extra: int = 0):
+                 is_last: bool, extra: int = 0, memory: torch.Tensor | None = None):
         self._index = index
         self._is_last = is_last
         # big tensors first: the small ones then share one region, scaled with a single mul_
@@ -117,17 +117,19 @@ class Bucket(GradBucketBasics):
         # big gradients left in their slots after an iteration: (position, weakref to the gradient)
         self.adopted: list[tuple[int, Any]] = []
         self.retired: list[Any] = []  # their old memory, until the next forward (Note [Averages in their slots])
-        self.allocate()
+        self.allocate(memory)
         self.grads: list[torch.Tensor | None] = []  # what was copied in: where the averages go back
         self.has_none = False
 
-    def allocate(self) -> None:
+    def allocate(self, memory: torch.Tensor | None = None) -> None:
         """The buffer, and the views into it: at construction, and again where a slot is still held
-        by a gradient the caller kept (see ``ddpkit.ddp.adoption.reclaim``)."""
+        by a gradient the caller kept (see ``ddpkit.ddp.adoption.reclaim``). ``memory``: a flat
+        tensor of ``numel + extra`` elements to use instead of a new one (Note [One block per device])."""
         params, extra = self.params, self.extra
         first = params[0]
         # empty, as torch's: pages are touched when the gradients first come in, not at construction
-        self.flat = torch.empty(self.numel + extra, dtype=first.dtype, device=first.device)
+        self.flat = (torch.empty(self.numel + extra, dtype=first.dtype, device=first.device) if memory is None
+                     else memory)
         # the bucket's own gradients, which the views point into; a comm hook may hand the
         # collective another buffer (set_buffer), whose result is copied back here
         self.grad_data = self.flat[: self.numel] if extra else self.flat
@@ -137,7 +139,7 @@ class Bucket(GradBucketBasics):
         self._buffer = self._hook_data
         self.flag = self.flat[self.numel:].zero_() if extra else None
         self.views: list[torch.Tensor] = []
-        offset = 0
+        offset = self.grad_data.storage_offset()  # as_strided counts from the start of the storage
         for p in params:
             # shaped and strided like the parameter (a channels_last weight keeps its layout), as
             # torch's bucket views are: with gradient_as_bucket_view they become the gradients

@@ -16,7 +16,11 @@ from ddpkit.ddp.profiling import bucket_range
 from ddpkit.ddp.sparse_bucket import SparseBucket
 from ddpkit.runtime.comm import comm_device
 
-__all__ = ["BucketLayout"]
+__all__ = ["BucketLayout", "ONE_BLOCK_DEVICES"]
+
+ONE_BLOCK_DEVICES = ("cuda",)
+"""The device types whose dense buckets share one block per device and dtype: those of an allocator
+that rounds each block up (Note [One block per device] in docs/design.md)."""
 
 
 class BucketLayout:
@@ -39,12 +43,13 @@ class BucketLayout:
         own_cap: the cap this rank would give ddpkit's own CPU buckets (no comm hook) from the
             rebuild on, where rank 0's choice, broadcast with the order, holds on every rank; before
             it (and without a rebuild), ``cap_bytes``.
+        one_block: the device types whose dense buckets share one block per device and dtype.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
                  like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int = 0,
-                 own_cap: int | None = None):
+                 own_cap: int | None = None, one_block: Sequence[str] = ONE_BLOCK_DEVICES):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
         self.own_cap: int | None = None  # every rank's, the same: the cap until the rebuild
@@ -52,6 +57,7 @@ class BucketLayout:
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
+        self.one_block = tuple(one_block)
         self.sparse_names = list(sparse)
         self.sparse = [name is not None for name in sparse] if any(name is not None for name in sparse) else []
         free = in_place_bytes > 0 and not (as_view or like_torch or cap_list)
@@ -128,8 +134,11 @@ class BucketLayout:
         kinds = [SparseBucket if self.sparse and self.sparse[idx[0]] else
                  InPlaceBucket if self._alone and self._alone[idx[0]] and k != last else  # the last holds the flag
                  self.bucket_type for k, idx in enumerate(groups)]
-        self.buckets = [kind(k, [params[i] for i in idx], idx, k == last, extra=int(k == last))
-                        for k, (kind, idx) in enumerate(zip(kinds, groups))]
+        members = [[params[i] for i in idx] for idx in groups]
+        memory = _one_block_per_device(kinds, members, self.one_block)
+        self.buckets = [kind(k, members[k], idx, k == last, extra=int(k == last),
+                             **({} if m is None else {"memory": m}))  # only a dense Bucket gets memory
+                        for k, (kind, idx, m) in enumerate(zip(kinds, groups, memory))]
         self.bucket_of = [0] * len(params)
         for b in self.buckets:
             for i in b.param_indices:
@@ -181,3 +190,35 @@ class BucketLayout:
         for bucket in self.buckets:
             bucket.grads = []
             bucket.restore_buffer()
+
+
+BLOCK_ALIGN_BYTES = 512
+"""Where each bucket starts in a device's block: the CUDA allocator's own granularity, so that
+kernels reading a bucket see memory as aligned as a block of its own."""
+
+
+def _one_block_per_device(kinds: Sequence[type], groups: Sequence[Sequence[torch.Tensor]],
+                          device_types: Sequence[str]) -> list[torch.Tensor | None]:
+    """Per bucket, its memory in one block shared by every dense bucket of its device and dtype,
+    where the device's type is one of ``device_types``, or None (a block of its own). The caching
+    allocator rounds each new block up, by up to 1 MiB a block; one block pays that once. See
+    Note [One block per device] in docs/design.md."""
+    memory: list[torch.Tensor | None] = [None] * len(groups)
+    shared: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    for k, (kind, params) in enumerate(zip(kinds, groups)):
+        first = params[0]
+        if issubclass(kind, Bucket) and first.device.type in device_types:
+            numel = sum(p.numel() for p in params) + int(k == len(groups) - 1)  # the status flag
+            shared.setdefault((first.device, first.dtype), []).append((k, numel))
+    for (device, dtype), buckets in shared.items():
+        if len(buckets) < 2:
+            continue
+        align = max(1, BLOCK_ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        starts, end = [], 0
+        for _, numel in buckets:
+            starts.append(end)
+            end += -(-numel // align) * align
+        block = torch.empty(end, dtype=dtype, device=device)
+        for (k, numel), start in zip(buckets, starts):
+            memory[k] = block[start: start + numel]
+    return memory

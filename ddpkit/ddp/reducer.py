@@ -26,7 +26,7 @@ from ddpkit.ddp.autograd_engine import (
     queue_end_of_backward_callback,
 )
 from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
-from ddpkit.ddp.bucket_layout import BucketLayout
+from ddpkit.ddp.bucket_layout import ONE_BLOCK_DEVICES, BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
 from ddpkit.ddp.cpu_share import own_cpu_cap
 from ddpkit.ddp.ddp_logger import DDPLogger
@@ -48,7 +48,8 @@ class Reducer(ReducerConfig):
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
     options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
-    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``adopt``: see Note [Averages in
+    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``one_block``: the device types
+    whose buckets share one block (Note [One block per device]); ``adopt``: see Note [Averages in
     their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
@@ -56,7 +57,8 @@ class Reducer(ReducerConfig):
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
                  cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
-                 in_place_bytes: int = IN_PLACE_BYTES, adopt: bool = True, logger: DDPLogger | None = None):
+                 in_place_bytes: int = IN_PLACE_BYTES, one_block: Sequence[str] = ONE_BLOCK_DEVICES,
+                 adopt: bool = True, logger: DDPLogger | None = None):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -67,15 +69,17 @@ class Reducer(ReducerConfig):
         self.skip_unused = skip_unused and find_unused_parameters  # on torch's buckets, as it promises
         self.usage = ParameterUsage(len(self.params), find_unused_parameters=find_unused_parameters,
                                     static_graph=static_graph)
-        # rebuilt once in arrival order, not where it may change (find_unused); none in place with a used map
+        # big CPU gradients keep their averages in their slots, where no used map may leave one alone
+        self.adopt = (adopt and adoption.AVAILABLE and not (gradient_as_bucket_view or find_unused_parameters)
+                      and all(p.device.type == "cpu" for p in self.params))
+        # rebuilt once in arrival order, not where it may change (find_unused); none in place with a used
+        # map; a bucket whose slots gradients adopt has a block of its own, whose references adoption counts
         self.layout = BucketLayout(self.params, cap_bytes, first_cap_bytes, as_view=gradient_as_bucket_view,
                                    rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
+                                   one_block=() if self.adopt else one_block,
                                    own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
-        # big CPU gradients keep their averages in their slots, where no used map may leave one alone
-        self.adopt = (adopt and adoption.AVAILABLE and not (gradient_as_bucket_view or find_unused_parameters)
-                      and all(p.device.type == "cpu" for p in self.params))
         self._big = [is_big(p) for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes

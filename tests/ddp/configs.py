@@ -24,6 +24,8 @@ class Config:
     split_bytes: int | None = None  # ddpkit's Gloo split size (see Note [Gloo halves] in docs/design.md)
     # from this size on ddpkit reduces a gradient where it lies (see Note [Big gradients in place])
     in_place_bytes: int | None = None
+    # the device types whose buckets share one block (CUDA's by default; see Note [One block per device])
+    one_block: tuple[str, ...] | None = None
     set_static_graph: bool = False  # call the private _set_static_graph() after construction
     hook: str | None = None  # a comm hook, by name (test_ddp._hook)
     user_hook: str | None = None  # a post-accumulate-grad hook: "double", "replace" or "drop"
@@ -193,6 +195,12 @@ CONFIGS: tuple[Config, ...] = (
     Config("batched_grad_copy", kwargs={"batched_grad_copy": True}),
     Config("batched_grad_copy_wide_bucket_view", model="wide", steps=3,
            kwargs={"batched_grad_copy": True, "gradient_as_bucket_view": True}),
+    # the buckets in one block, as on CUDA (here on the CPU, where each has its own by default)
+    Config("one_block", one_block=("cpu",), kwargs={"bucket_cap_mb": 0.0005}),
+    Config("one_block_wide", model="wide", steps=3, one_block=("cpu",), kwargs={"bucket_cap_mb": 0.5}),
+    Config("one_block_grad_as_bucket_view", one_block=("cpu",),
+           kwargs={"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005}),
+    Config("one_block_join", model="wide", uneven=True, one_block=("cpu",), kwargs={"bucket_cap_mb": 0.5}),
     # big gradients reduced where they lie (real models: from 2 MiB; here from a few hundred bytes)
     Config("in_place", in_place_bytes=256),
     Config("in_place_wide", model="wide", steps=3, in_place_bytes=4096),

@@ -280,9 +280,12 @@ def _train(kind: str, cfg: Config, rank: int) -> dict:
             model.head.weight.add_(rank)
             model.seen.fill_(10 * rank)
         cls._set_params_and_buffers_to_ignore_for_model(model, LocalHead.IGNORED)
-    options = {name: value for name, value in (("split_bytes", cfg.split_bytes), ("in_place_bytes", cfg.in_place_bytes))
-               if value is not None}
-    if options and kind == "ddpkit":  # halves and in-place gradients at smaller sizes than real models need
+    options = {name: value for name, value in (("split_bytes", cfg.split_bytes), ("in_place_bytes", cfg.in_place_bytes),
+                                               ("one_block", cfg.one_block)) if value is not None}
+    if cfg.one_block:  # as on CUDA, where no gradient adopts its slot (adoption keeps the blocks apart)
+        options["adopt"] = False
+    # halves and in-place gradients at smaller sizes than real models need; one block on the CPU too
+    if options and kind == "ddpkit":
         class SmallSizesDDP(ddpkit.DistributedDataParallel):
             _reducer_options = options
 

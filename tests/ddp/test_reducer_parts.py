@@ -222,6 +222,30 @@ def test_off_the_cpu_no_gradient_is_big_and_the_bucket_keeps_the_order_given():
     assert on_cpu.num_big == 2 and [p.numel() for p in on_cpu.params[:2]] == [BIG_PARAM_NUMEL, BIG_PARAM_NUMEL + 1]
 
 
+def test_the_buckets_of_a_one_block_device_share_one_block_each_from_an_aligned_start():
+    """On CUDA the buckets share one block, so the allocator rounds it up once (Note [One block per
+    device]); the CPU stands in for CUDA here, and by default keeps a block per bucket."""
+    from ddpkit.ddp.bucket_layout import BLOCK_ALIGN_BYTES
+
+    sizes = (3, 4, 1, 2, 4, 3)
+    params = _params(*sizes)
+    layout = BucketLayout(params, 16, 16, as_view=False, rebuild=True, one_block=("cpu",))
+    buckets = layout.buckets
+    assert len(buckets) > 2
+    assert len({b.flat.untyped_storage().data_ptr() for b in buckets}) == 1
+    starts = [b.flat.storage_offset() * 4 for b in buckets]
+    assert starts == sorted(starts) and all(start % BLOCK_ALIGN_BYTES == 0 for start in starts)
+    for p in params:
+        p.grad = torch.full_like(p, 1.0) + p
+    for b in buckets:
+        b.fill(0.5, as_view=False, copied=[False] * len(params))
+        assert b.flat.numel() == b.numel + (1 if b.is_last() else 0)
+    for b in buckets:  # each view is its parameter's slot, and no two overlap
+        assert all(torch.equal(v, p.grad * 0.5) for p, v in zip(b.params, b.views))
+    own = _layout(*sizes)
+    assert len({b.flat.untyped_storage().data_ptr() for b in own.buckets}) == len(own.buckets)
+
+
 def test_with_bucket_views_a_fresh_gradient_becomes_its_view_and_is_freed_at_once():
     import weakref
 
