@@ -35,11 +35,11 @@ class Job:
                          for r, (c, text) in enumerate(zip(self.codes, self.logs)))
 
 
-def line_of(marker: str) -> str:
-    """``scenarios.py:<n>`` of the line marked ``# <- marker``."""
-    for n, line in enumerate((_HERE / "scenarios.py").read_text().splitlines(), 1):
+def line_of(marker: str, filename: str = "scenarios.py") -> str:
+    """``scenarios.py:<n>`` of the line marked ``# <- marker`` (or of another file of this folder)."""
+    for n, line in enumerate((_HERE / filename).read_text().splitlines(), 1):
         if line.rstrip().endswith(f"# <- {marker}"):
-            return f"scenarios.py:{n}"
+            return f"{filename}:{n}"
     raise KeyError(marker)
 
 
@@ -59,7 +59,7 @@ def _rank_main(name: str, rank: int, world_size: int, port: int, out: str, env: 
         import ddpkit
 
         ddpkit.init(backend="gloo", timeout=deadline)
-        getattr(scenarios, name)(rank)
+        getattr(scenarios, name)(rank)  # <- scenario
     except BaseException as e:  # noqa: BLE001 - a script's end: traceback on stderr, exit code 1
         traceback.print_exc()
         sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__

@@ -37,6 +37,22 @@ def extra(rank: int) -> None:
     ddpkit.shutdown()  # <- extra-leaves
 
 
+def _reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """A helper that every collective of a script goes through, as many scripts have."""
+    dist.all_reduce(t)  # <- helper
+    return t / dist.get_world_size()
+
+
+def extra_through_a_helper(rank: int) -> None:
+    """``extra``, with each all-reduce made by one helper: the report must tell the calls apart."""
+    x = torch.ones(4)
+    _reduce_mean(x)
+    if rank == 0:
+        _reduce_mean(torch.ones(4))  # <- helper-extra
+    _reduce_mean(x)  # <- helper-next
+    ddpkit.shutdown()
+
+
 def different_op(rank: int) -> None:
     t = torch.ones(3)
     if rank == 0:

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 STALL = 1.5
 PROMPT = STALL + 8  # the stall, one inquiry (answers within a few seconds), the processes' start
+CALLED_BY_THE_JOB = f"called from {line_of('scenario', 'jobs.py')} in _rank_main()"  # a script's main()
 
 
 def _reported(logs: list[str]) -> bool:
@@ -59,9 +60,19 @@ def test_extra_collective_names_the_rank_that_left_and_where_the_ranks_went_apar
     verdict = _verdict(job.logs[0])
     assert f"rank 1 has left the job: it called ddpkit.shutdown() at {line_of('extra-leaves')}" in verdict
     assert f"rank 0 was in all_reduce #3 ({line_of('extra-next')}" in verdict
-    assert (f"#2: rank 0 all_reduce float32[4] at {line_of('extra')} in extra(); "
+    assert (f"#2: rank 0 all_reduce float32[4] at {line_of('extra')} in extra(), {CALLED_BY_THE_JOB}; "
             f"rank 1 all_reduce float32[4] at {line_of('extra-next')}") in verdict
     assert job.seconds < PROMPT
+
+
+def test_calls_through_one_helper_are_told_apart_by_the_line_that_called_it(tmp_path):
+    job = run_job("extra_through_a_helper", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [1, 0], job.log()
+    verdict = _verdict(job.logs[0])
+    helper = f"{line_of('helper')} in _reduce_mean(), called from"
+    assert f"rank 0 was in all_reduce #3 ({helper} {line_of('helper-next')} in extra_through_a_helper())" in verdict
+    assert (f"#2: rank 0 all_reduce float32[4] at {helper} {line_of('helper-extra')} in extra_through_a_helper(); "
+            f"rank 1 all_reduce float32[4] at {helper} {line_of('helper-next')}") in verdict
 
 
 def test_different_op_is_a_certain_deadlock(tmp_path):
@@ -92,8 +103,8 @@ def test_slow_rank_is_reported_and_the_job_goes_on(tmp_path):
     job = run_job("slow", 2, tmp_path, stall_timeout=STALL)
     assert job.codes == [0, 0], job.log()
     verdict = _verdict(job.logs[0])
-    assert (f"rank 1 has not reached all_reduce #2 ({line_of('slow-wait')} in slow()) that rank 0 waits in; "
-            f"it is at {line_of('slow')} in slow()") in verdict
+    assert (f"rank 1 has not reached all_reduce #2 ({line_of('slow-wait')} in slow(), {CALLED_BY_THE_JOB}) that "
+            f"rank 0 waits in; it is at {line_of('slow')} in slow()") in verdict
     assert "the job goes on" in job.logs[0]
     assert job.logs[0].count("Verdict:") == 1  # the picture did not change: one report
 
@@ -114,8 +125,8 @@ def test_rank_stuck_in_a_python_loop_is_named_and_not_killed(tmp_path):
     assert job.codes == [None, None], job.log()  # still running when the reports were in
     for text in job.logs:
         verdict = _verdict(text)
-        assert (f"rank 1 has not reached all_reduce #2 ({line_of('spin-wait')} in spin()) that rank 0 "
-                "waits in; it is at ") in verdict
+        assert (f"rank 1 has not reached all_reduce #2 ({line_of('spin-wait')} in spin(), {CALLED_BY_THE_JOB}) "
+                "that rank 0 waits in; it is at ") in verdict
         assert f"at {line_of('spin')} in spin()" in verdict or f"at {line_of('spin-body')} in spin()" in verdict
     assert job.seconds < PROMPT
 
@@ -135,7 +146,7 @@ def test_desync_inside_ddp_backward(tmp_path):
     job = run_job("ddp_skips_backward", 2, tmp_path, stall_timeout=STALL)
     assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
     verdict = _verdict(job.logs[1])
-    assert f"at {line_of('ddp-backward')} in ddp_skips_backward() (issued by DDP)" in verdict
+    assert f"at {line_of('ddp-backward')} in ddp_skips_backward(), {CALLED_BY_THE_JOB} (issued by DDP)" in verdict
     # the count includes DDP's construction: rank 0's tensor list (its size, its bytes), the verdict, the states
     assert f"rank 1 barrier #8 at {line_of('ddp-barrier')}" in verdict
     assert job.seconds < PROMPT

@@ -18,7 +18,7 @@ import ddpkit
 
 __all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site"]
 
-Site = tuple  # (filename, lineno, function): formatted only when a report needs it
+Site = tuple  # (filename, lineno, function[, caller's Site or None]): formatted only when a report needs it
 
 _DDP = os.path.join(os.path.dirname(ddpkit.__file__), "ddp") + os.sep
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ddpkit, torch))
@@ -40,14 +40,16 @@ def _is_internal(code: CodeType) -> bool:
 
 
 def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
-    """The caller's user frame as a ``Site``, and which of ddpkit's functions the user called on the
-    way: ``"DDP"`` when ddpkit's DDP issued it (in backward), else e.g. ``"save"``, or None."""
+    """The caller's user frame as a ``Site``, with the user frame that called it, and which of
+    ddpkit's functions the user called on the way: ``"DDP"`` when ddpkit's DDP issued it (in
+    backward), else e.g. ``"save"``, or None. The second frame tells apart two calls of one helper
+    (``reduce_mean()`` called from two lines), which a report shows as two places."""
     frame: FrameType | None = sys._getframe(depth)
     via = None
     while frame is not None:
         code = frame.f_code
         if not _is_internal(code):
-            return (code.co_filename, frame.f_lineno, code.co_name), via
+            return (code.co_filename, frame.f_lineno, code.co_name, _user_frame(frame.f_back)), via
         if via != "DDP":
             if code.co_filename.startswith(_DDP):
                 via = "DDP"
@@ -57,13 +59,17 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
     return None, via
 
 
+def _user_frame(frame: FrameType | None) -> Site | None:
+    """The innermost user frame from ``frame`` outwards, without its own caller."""
+    while frame is not None and _is_internal(frame.f_code):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+
+
 def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:
     """(the innermost user frame, the innermost frame) of a thread whose top frame is ``frame``."""
     top = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-    while frame is not None and _is_internal(frame.f_code):
-        frame = frame.f_back
-    user = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-    return user, top
+    return _user_frame(frame), top
 
 
 def traceback_site(tb) -> Site | None:
@@ -78,10 +84,18 @@ def traceback_site(tb) -> Site | None:
 
 
 def format_site(site: Site | None) -> str:
-    """``train.py:88 in step()``, the path relative to the working directory when it is under it."""
+    """``train.py:88 in step()``, the path relative to the working directory when it is under it;
+    with its caller, ``utils.py:3 in reduce_mean(), called from train.py:88 in step()``."""
     if site is None:
         return "an unknown place (no Python frame outside ddpkit and torch)"
-    filename, lineno, function = site
+    filename, lineno, function, *caller = site
+    text = _format_frame(filename, lineno, function)
+    if caller and caller[0] is not None:
+        text += ", called from " + _format_frame(*caller[0])
+    return text
+
+
+def _format_frame(filename: str, lineno: int, function: str) -> str:
     try:
         relative = os.path.relpath(filename)
         if not relative.startswith(".."):
