@@ -213,7 +213,7 @@ def _one_block_per_device(kinds: Sequence[type], groups: Sequence[Sequence[torch
     for (device, dtype), buckets in shared.items():
         if len(buckets) < 2:
             continue
-        align = max(1, BLOCK_ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        align = max(1, BLOCK_ALIGN_BYTES // dtype.itemsize)
         starts, end = [], 0
         for _, numel in buckets:
             starts.append(end)
