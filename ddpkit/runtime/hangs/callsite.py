@@ -59,17 +59,27 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
     return None, via
 
 
-def _user_frame(frame: FrameType | None) -> Site | None:
-    """The innermost user frame from ``frame`` outwards, without its own caller."""
+def _first_user(frame: FrameType | None) -> FrameType | None:
+    """The innermost user frame from ``frame`` outwards."""
     while frame is not None and _is_internal(frame.f_code):
         frame = frame.f_back
+    return frame
+
+
+def _user_frame(frame: FrameType | None) -> Site | None:
+    """The innermost user frame from ``frame`` outwards as a ``Site``, without its own caller."""
+    frame = _first_user(frame)
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:
-    """(the innermost user frame, the innermost frame) of a thread whose top frame is ``frame``."""
+    """(the innermost user frame with its caller, the innermost frame) of a thread whose top frame
+    is ``frame``: a rank stuck in a helper (``wait_for_file()``) is shown with the line that called it."""
     top = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-    return _user_frame(frame), top
+    user = _first_user(frame)
+    if user is None:
+        return None, top
+    return (user.f_code.co_filename, user.f_lineno, user.f_code.co_name, _user_frame(user.f_back)), top
 
 
 def traceback_site(tb) -> Site | None:
