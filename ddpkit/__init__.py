@@ -27,6 +27,7 @@ from ddpkit.errors import (
     CommHookError,
     DenseGradientError,
     EmptyListError,
+    LateGradientError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
@@ -74,7 +75,7 @@ __all__ = [
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
     "errors", "BatchDimError", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
-    "EmptyListError", "LauncherVariableError",
+    "EmptyListError", "LateGradientError", "LauncherVariableError",
     "NotAModuleError", "NotInitializedError", "OutputKeysError",
     "RanksDisagreeError", "RendezvousError", "ReplicaCountError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError",
+__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "LateGradientError",
            "StaticGraphChangedError", "DenseGradientError", "RanksDisagreeError", "CommHookError",
            "NotInitializedError", "LauncherVariableError", "RendezvousError", "CheckpointSaveError",
            "StateDictMismatchError", "CollectiveMismatchError", "ReplicaCountError", "BatchDimError", "EmptyListError",
@@ -73,6 +73,16 @@ class SecondGradientError(_Facts, RuntimeError):
     def __init__(self, message: str, *, rank: int, parameter: str, reduced_as_unused: bool) -> None:
         super().__init__(message)
         self.rank, self.parameter, self.reduced_as_unused = rank, parameter, reduced_as_unused
+
+
+class LateGradientError(_Facts, RuntimeError):
+    """The gradient of ``parameter``, one of ``delay_all_reduce_named_params``, was computed after
+    that of ``hook_parameter`` (``param_to_hook_all_reduce``), whose gradient launches their
+    all-reduce: it was averaged incomplete, and the ranks would hold different gradients."""
+
+    def __init__(self, message: str, *, rank: int, parameter: str, hook_parameter: str) -> None:
+        super().__init__(message)
+        self.rank, self.parameter, self.hook_parameter = rank, parameter, hook_parameter
 
 
 class StaticGraphChangedError(_Facts, RuntimeError):

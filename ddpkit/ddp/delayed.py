@@ -8,6 +8,7 @@ the end of the backward that launched it, so the averages are final when ``backw
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ddpkit.ddp.autograd_engine import outside_backward_python_context, queue_end_of_backward_callback
 from ddpkit.ddp.state_sync import broadcast_coalesced
-from ddpkit.errors import explain
+from ddpkit.errors import LateGradientError, explain
 
 __all__ = ["DelayedAllReduce"]
 
@@ -24,14 +25,17 @@ class DelayedAllReduce:
     """Average ``params``' gradients over ``group`` after ``hook_param``'s gradient is computed.
 
     Args:
-        params: the delayed parameters (out of the reducer's buckets), one device and dtype.
-        hook_param: the parameter whose accumulated gradient launches the all-reduce; it should get
-            its gradient last (an early layer), or the delayed ones are averaged incomplete.
-        group: the process group; rank 0's values of ``params`` are broadcast at construction.
+        named: the delayed parameters (out of the reducer's buckets) by name, one device and dtype.
+        hook_param: the parameter whose accumulated gradient launches the all-reduce; it must get
+            its gradient last (an early layer): a delayed gradient computed after it raises
+            ``LateGradientError``, where torch's DDP averages it incomplete, differently on each rank.
+        hook_name: ``hook_param``'s name, for that error.
+        group: the process group; rank 0's values of the parameters are broadcast at construction.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], hook_param: torch.nn.Parameter, group: Any):
-        self.params = list(params)
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]], hook_param: torch.nn.Parameter,
+                 hook_name: str, group: Any):
+        self.params = [p for _, p in named]
         if len({(p.device, p.dtype) for p in self.params}) != 1:
             raise ValueError(explain(
                 "delay_all_reduce_named_params must share one device and dtype, found "
@@ -41,8 +45,8 @@ class DelayedAllReduce:
             raise ValueError(explain(
                 f"param_to_hook_all_reduce must be a parameter that requires a gradient, got "
                 f"{type(hook_param).__name__}.", "pass e.g. model[0].weight.", who="DistributedDataParallel"))
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.group, self.hook_name = group, hook_name
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         first = self.params[0]
         self.buffer = torch.zeros(sum(p.numel() for p in self.params), device=first.device, dtype=first.dtype)
         self.views = [v.view_as(p) for v, p in zip(self.buffer.split([p.numel() for p in self.params]),
@@ -51,7 +55,9 @@ class DelayedAllReduce:
         self.armed = False  # a synced forward ran: its backward averages
         self._work: Any = None
         # after its gradient is accumulated (torch: before), so that it may be a delayed one itself
-        self._handle = hook_param.register_post_accumulate_grad_hook(self._launch)
+        self._handles = [hook_param.register_post_accumulate_grad_hook(self._launch)]
+        self._handles += [p.register_post_accumulate_grad_hook(functools.partial(self._check_in_time, name))
+                          for name, p in named if p is not hook_param]
 
     def after_forward(self, synced: bool) -> None:
         """Point missing gradients at the buffer (zeroed), as torch's ``_clear_grad_buffer``;
@@ -80,10 +86,24 @@ class DelayedAllReduce:
                 self._work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
             queue_end_of_backward_callback(self._wait)
 
+    def _check_in_time(self, name: str, param: torch.Tensor) -> None:
+        """A delayed gradient computed once its all-reduce is under way was averaged incomplete."""
+        if self._work is not None:
+            raise LateGradientError(explain(
+                f"the gradient of {name!r}, one of delay_all_reduce_named_params, was computed after the "
+                f"gradient of param_to_hook_all_reduce ({self.hook_name!r}), which launches the all-reduce "
+                f"of the delayed gradients: {name!r} was averaged before it was complete, so each rank would "
+                "keep a different gradient (torch's DDP does so silently).",
+                "pass as param_to_hook_all_reduce a parameter whose gradient is computed after every delayed "
+                "one's, such as the first layer's weight (backward runs from the last layer to the first).",
+                who="DistributedDataParallel", rank=self.rank),
+                rank=self.rank, parameter=name, hook_parameter=self.hook_name)
+
     def _wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
             work.wait()
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()

@@ -137,7 +137,9 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         self.logger = DDPLogger(self)  # torch's logging data: facts, sampled timings, the last error
         self._delayed: DelayedAllReduce | None = None
         if self.world_size > 1 and delayed:
-            self._delayed = DelayedAllReduce([p for _, p in delayed], param_to_hook_all_reduce, self.process_group)
+            hook_name = next((n for n, p in module.named_parameters() if p is param_to_hook_all_reduce),
+                             "param_to_hook_all_reduce")
+            self._delayed = DelayedAllReduce(delayed, param_to_hook_all_reduce, hook_name, self.process_group)
         self._python_reducer: PythonReducer | None = None
         if self.world_size > 1 and named:
             if init_sync:

@@ -357,6 +357,31 @@ def test_delayed_parameters_are_averaged_after_the_hook_parameters_gradient_like
         assert torch.equal(a, b)
 
 
+def _delayed_before_its_hook_worker() -> dict:
+    """The first layer delayed, the last layer's weight as the hook: the delayed gradient comes after
+    the launch. torch averages it incomplete (the ranks then differ); ddpkit raises on every rank."""
+    rank = dist.get_rank()
+    model = _mlp(rank)
+    ddp = ddpkit.DDP(model, delay_all_reduce_named_params=[("0.weight", model[0].weight)],
+                     param_to_hook_all_reduce=model[4].weight)
+    with ddp.no_sync():  # no all-reduce under no_sync: nothing to be late for
+        ddp(torch.ones(2, 4)).sum().backward()
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+    except ddpkit.LateGradientError as e:
+        return {"type": type(e).__name__, "text": str(e), "facts": (e.rank, e.parameter, e.hook_parameter)}
+    return {"type": None}
+
+
+@pytest.mark.timeout(60)
+def test_a_delayed_gradient_computed_after_its_hook_parameters_raises_on_every_rank():
+    for rank, out in enumerate(run_ranks(_delayed_before_its_hook_worker, 2, timeout=45)):
+        assert out["type"] == "LateGradientError", out
+        assert out["facts"] == (rank, "0.weight", "4.weight")
+        assert "'0.weight', one of delay_all_reduce_named_params, was computed after" in out["text"]
+        assert "param_to_hook_all_reduce ('4.weight')" in out["text"] and "HINT:" in out["text"]
+
+
 # ---- the construction-time check across ranks ----------------------------------------------------
 def _disagree_on_three_worker() -> dict[str, tuple | None]:
     """Rank 0's list is broadcast and compared: the first rank that differs or refuses is named on
