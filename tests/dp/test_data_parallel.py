@@ -267,8 +267,10 @@ def test_without_cuda_and_device_ids_the_module_is_called_directly():
 
 
 @no_cuda
-def test_without_cuda_gpu_device_ids_are_ignored_as_torch_does():
-    assert DataParallel(_mlp(), device_ids=[0, 1]).device_ids == []
+def test_without_cuda_gpu_device_ids_are_ignored_as_torch_does_with_a_warning():
+    with pytest.warns(UserWarning, match=r"device_ids=\[0, 1\] names cuda:0, but CUDA is not available.*"
+                                         r"called as it is.*HINT: name CPU devices"):
+        assert DataParallel(_mlp(), device_ids=[0, 1]).device_ids == []
 
 
 @no_cuda
