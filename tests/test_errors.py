@@ -23,6 +23,7 @@ from ddpkit.errors import (
     CommHookError,
     DenseGradientError,
     EmptyListError,
+    LateGradientError,
     LauncherVariableError,
     NotAModuleError,
     NotInitializedError,
@@ -39,7 +40,7 @@ from ddpkit.errors import (
 
 # what each class was raised as before it existed: user code catching that must still catch it
 BASES = {
-    UnusedParametersError: (RuntimeError,), SecondGradientError: (RuntimeError,),
+    UnusedParametersError: (RuntimeError,), SecondGradientError: (RuntimeError,), LateGradientError: (RuntimeError,),
     StaticGraphChangedError: (RuntimeError,), RanksDisagreeError: (RuntimeError,),
     CommHookError: (TypeError, RuntimeError), DenseGradientError: (TypeError, RuntimeError),
     NotInitializedError: (RuntimeError, ValueError),
