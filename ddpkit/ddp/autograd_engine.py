@@ -52,8 +52,9 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
             "Compiled autograd is not compatible with ddpkit's DDP reducer, as it is not with torch's C++ "
             "DDP Reducer: its hooks wait for the all-reduces in a callback at the end of backward, which "
             "compiled autograd cannot trace.",
-            "run backward without compiled autograd (torch.compile of the model itself is supported), or "
-            "use torch's DDP with torch._dynamo.config.optimize_ddp = \"python_reducer\"."))
+            "set torch._dynamo.config.optimize_ddp = \"python_reducer\" before building the DDP (it then "
+            "averages each gradient with a collective compiled autograd traces, as torch's DDP does), or "
+            "run backward without compiled autograd (torch.compile of the model itself is supported)."))
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 

@@ -5,12 +5,14 @@
 
 Two things make the compiled backward overlap the all-reduces as it does for torch's DDP:
 
-* **Eager bookkeeping.** ``eager`` marks DDP's forward for Dynamo to skip, and only it: what it
+* **Eager bookkeeping.** ``eager`` marks DDP's forward (``_forward``) for Dynamo to skip, and only it: what it
   calls (the wrapped module) is still compiled; torch marks its own ``_inside_ddp_forward`` so
   (``torch._disable_dynamo(recursive=False)``, which imports Dynamo on its first call). The
   pre/post-forward bookkeeping (reducer state, Join, buffer broadcast, hooks on the outputs) reads
   ``grad_fn`` and calls collectives; traced, it broke the graph six times and warned on every
-  rank. ``bookkeeping`` keeps Dynamo out of it and all it calls, as torch's C++ reducer is.
+  rank. ``bookkeeping`` keeps Dynamo out of it and all it calls, as torch's C++ reducer is. Under
+  ``optimize_ddp="python_reducer"`` there is no bookkeeping to keep out, and the forward is traced
+  whole, as torch's is there (``fullgraph=True`` works).
 * **DDPOptimizer.** When Dynamo compiles a frame it asks ``DistributedDataParallel.
   _get_active_ddp_module()`` (torch's class) whether a DDP forward is running; if one is, its
   DDPOptimizer splits the graph at bucket boundaries of ``bucket_bytes_cap`` bytes, so each bucket's

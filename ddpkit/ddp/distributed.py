@@ -191,8 +191,17 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         return reducer
 
     # ---- forward -------------------------------------------------------------------------------
-    @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._python_reducer is not None and torch.compiler.is_compiling():
+            # optimize_ddp="python_reducer": Dynamo traces the whole forward, fullgraph=True too, as
+            # torch's DDP lets it there (its forward then skips its own bookkeeping, as here)
+            if self.device_ids:
+                inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
+            return self.module(*inputs, **kwargs)
+        return self._forward(*inputs, **kwargs)
+
+    @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
+    def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = self._pre_forward(inputs, kwargs)
             with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets

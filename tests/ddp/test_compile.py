@@ -217,7 +217,8 @@ def test_ignored_parameters_are_marked_for_ddpoptimizer_as_torch_marks_them():
 
 
 def _compiled_autograd_worker(mode: str) -> dict:
-    """torch.compile(DDP(model)) with its backward under compiled autograd, as torch documents it."""
+    """torch.compile(DDP(model)) with its backward under compiled autograd, as torch documents it;
+    with the python reducer as one graph (fullgraph=True), which torch's DDP allows there."""
     from torch._dynamo import compiled_autograd
 
     out = {}
@@ -227,7 +228,7 @@ def _compiled_autograd_worker(mode: str) -> dict:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
         ddp = cls(model)
-        compiled = torch.compile(ddp, backend="aot_eager")
+        compiled = torch.compile(ddp, backend="aot_eager", fullgraph=mode == "python_reducer")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(dist.get_rank())
         try:
