@@ -240,6 +240,41 @@ def test_load_state_dict_raises_on_a_mismatch_instead_of_guessing():
     assert "1.weight" in result.missing_keys and not result.unexpected_keys
 
 
+_FORMS = {  # a model as a script may hold it; nn.DataParallel without CUDA is a wrapper that calls it
+    "bare": lambda m: m,
+    "compiled": lambda m: torch.compile(m, backend="eager"),
+    "wrapped": lambda m: nn.DataParallel(m),
+    "compiled_wrapped": lambda m: torch.compile(nn.DataParallel(m), backend="eager"),
+    "wrapped_compiled": lambda m: nn.DataParallel(torch.compile(m, backend="eager")),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("source", sorted(_FORMS))
+def test_load_state_dict_and_unwrap_model_see_through_torch_compile_in_either_order(source):
+    """torch.compile puts "_orig_mod." before the keys, outside or inside "module."."""
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    saved = _FORMS[source](model).state_dict()
+    for name, form in _FORMS.items():
+        inner = _model()
+        target = form(inner)
+        assert unwrap_model(target) is inner, name
+        load_state_dict(target, saved)
+        assert all(torch.equal(a, b) for a, b in zip(inner.state_dict().values(), model.state_dict().values())), name
+
+
+@pytest.mark.timeout(10)
+def test_a_mismatch_where_no_key_matches_says_strict_false_would_load_nothing():
+    with pytest.raises(ddpkit.StateDictMismatchError, match=r"No key matches in any of these forms, so "
+                                                            r"strict=False would load nothing"):
+        load_state_dict(_model(), {"encoder.weight": torch.zeros(2)})
+    with pytest.raises(ddpkit.StateDictMismatchError, match=r"strict=False to load the 9 keys that match"):
+        load_state_dict(_model(), {**_model().state_dict(), "extra.weight": torch.zeros(2)})
+
+
 @pytest.mark.timeout(10)
 def test_unwrap_model_reaches_the_module_inside_torch_data_parallel():
     inner = _model()

@@ -1,11 +1,13 @@
 """The ``module.`` prefix of wrapped models: state dicts that load into wrapped and bare models alike.
 
-A model wrapped in DDP or DataParallel has keys starting with ``module.``. ``load_state_dict`` loads
-such a dict into a wrapped or an unwrapped model, deciding by the target's own keys, and raises when
-neither fits instead of guessing.
+A model wrapped in DDP or DataParallel has keys starting with ``module.``, and one compiled by
+``torch.compile`` keys starting with ``_orig_mod.``. ``load_state_dict`` loads such a dict into a
+wrapped, compiled or bare model, deciding by the target's own keys, and raises when nothing fits
+instead of guessing.
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
 
@@ -13,10 +15,13 @@ from torch import nn
 
 from ddpkit.errors import StateDictMismatchError, explain
 
-__all__ = ["PREFIX", "unwrap_state_dict", "wrap_state_dict", "load_state_dict", "unwrap_model"]
+__all__ = ["PREFIX", "COMPILED_PREFIX", "unwrap_state_dict", "wrap_state_dict", "load_state_dict", "unwrap_model"]
 
 PREFIX = "module."
 """What DistributedDataParallel and DataParallel put in front of the wrapped module's keys."""
+
+COMPILED_PREFIX = "_orig_mod."
+"""What ``torch.compile``'s ``OptimizedModule`` puts in front of the compiled module's keys."""
 
 
 def unwrap_state_dict(state_dict: Mapping[str, Any], prefix: str = PREFIX) -> OrderedDict[str, Any]:
@@ -77,8 +82,10 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
 
     The dict is loaded as is when its keys are the module's; with ``prefix`` stripped when every
     key has it and that gives the module's keys; with ``prefix`` added when that gives the module's
-    keys (a bare model whose own submodule is called ``module`` has it on every key already).
-    Nothing else is guessed.
+    keys (a bare model whose own submodule is called ``module`` has it on every key already). A
+    ``torch.compile``'d model's ``_orig_mod.`` counts as a wrapper's prefix too: the prefixes every
+    key of the dict starts with may be removed, and then those of the target's own wrappers
+    (``compile(DDP(m))``: ``_orig_mod.module.``) added. Nothing else is guessed.
 
     Returns:
         torch's ``(missing_keys, unexpected_keys)``.
@@ -96,6 +103,7 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
     # submodule is "module" has it on every key
     if state_dict and (not any(k.startswith(prefix) for k in state_dict) or any(k.startswith(prefix) for k in target)):
         variants.append((f"with {prefix!r} added", _prefixed(state_dict, prefix)))
+    variants += _wrapper_variants(state_dict, _wrappers_prefix(module, prefix), (prefix, COMPILED_PREFIX))
     for _, candidate in variants:
         if set(candidate) == wanted:
             return module.load_state_dict(candidate, strict=strict)
@@ -104,13 +112,48 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
         return module.load_state_dict(best, strict=False)
     missing = [k for k in target if k not in best]
     unexpected = [k for k in best if k not in wanted]
-    tried = ", ".join(name for name, _ in variants)
+    tried = ", ".join(dict.fromkeys(name for name, _ in variants))
+    matching = len(wanted & set(best))
     raise StateDictMismatchError(explain(
         f"the state dict does not fit {type(module).__name__} (tried it {tried}). Closest, {best_name}: "
         f"{len(missing)} of the model's keys are missing{_eg(missing)}; {len(unexpected)} keys "
         f"are unexpected{_eg(unexpected)}.",
-        "was the checkpoint saved from another model? Pass strict=False to load the keys that match."),
+        f"was the checkpoint saved from another model? Pass strict=False to load the {matching} keys that "
+        "match." if matching else "was the checkpoint saved from another model? No key matches in any of "
+        "these forms, so strict=False would load nothing."),
         missing=missing, unexpected=unexpected)
+
+
+def _wrappers_prefix(module: nn.Module, prefix: str) -> str:
+    """What ``module``'s wrappers put before the innermost module's keys, outermost first:
+    ``_orig_mod.module.`` for ``torch.compile(DDP(m))``."""
+    wrappers, compiled = _wrapper_types(), _compiled_type()
+    out = ""
+    while True:
+        if isinstance(module, wrappers):
+            out, module = out + prefix, module.module
+        elif compiled is not None and isinstance(module, compiled):
+            out, module = out + COMPILED_PREFIX, module._orig_mod
+        else:
+            return out
+
+
+def _wrapper_variants(state_dict: Mapping[str, Any], outer: str,
+                      segments: tuple[str, ...]) -> list[tuple[str, Mapping[str, Any]]]:
+    """The dict with the wrapper prefixes that every key starts with removed, one after another,
+    each also with ``outer`` (the target's wrappers) added."""
+    forms: list[tuple[str, Mapping[str, Any]]] = [("", state_dict)]
+    while forms[-1][1]:
+        removed, current = forms[-1]
+        segment = next((s for s in segments if all(k.startswith(s) for k in current)), None)
+        if segment is None:
+            break
+        forms.append((removed + segment, unwrap_state_dict(current, segment)))
+    variants = [(f"with {removed!r} removed", form) for removed, form in forms[1:]]
+    if outer:
+        variants += [(f"with {removed!r} removed and {outer!r} added" if removed else f"with {outer!r} added",
+                      _prefixed(form, outer)) for removed, form in forms]
+    return variants
 
 
 def _eg(keys: list[str]) -> str:
@@ -118,11 +161,22 @@ def _eg(keys: list[str]) -> str:
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:
-    """The module inside DDP / DataParallel wrappers (ddpkit's or torch's), or ``module`` itself."""
-    wrappers = _wrapper_types()
-    while isinstance(module, wrappers):
-        module = module.module
-    return module
+    """The module inside DDP / DataParallel wrappers (ddpkit's or torch's) and ``torch.compile``'s
+    ``OptimizedModule``, in either order, or ``module`` itself."""
+    wrappers, compiled = _wrapper_types(), _compiled_type()
+    while True:
+        if isinstance(module, wrappers):
+            module = module.module
+        elif compiled is not None and isinstance(module, compiled):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _compiled_type() -> type | None:
+    """``torch.compile``'s module wrapper, where Dynamo is loaded (else no module is compiled)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
 
 
 def _wrapper_types() -> tuple[type, ...]:
