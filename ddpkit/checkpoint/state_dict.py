@@ -127,15 +127,10 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
 def _wrappers_prefix(module: nn.Module, prefix: str) -> str:
     """What ``module``'s wrappers put before the innermost module's keys, outermost first:
     ``_orig_mod.module.`` for ``torch.compile(DDP(m))``."""
-    wrappers, compiled = _wrapper_types(), _compiled_type()
     out = ""
-    while True:
-        if isinstance(module, wrappers):
-            out, module = out + prefix, module.module
-        elif compiled is not None and isinstance(module, compiled):
-            out, module = out + COMPILED_PREFIX, module._orig_mod
-        else:
-            return out
+    while (layer := _peel(module, prefix)) is not None:
+        out, module = out + layer[0], layer[1]
+    return out
 
 
 def _wrapper_variants(state_dict: Mapping[str, Any], outer: str,
@@ -163,20 +158,20 @@ def _eg(keys: list[str]) -> str:
 def unwrap_model(module: nn.Module) -> nn.Module:
     """The module inside DDP / DataParallel wrappers (ddpkit's or torch's) and ``torch.compile``'s
     ``OptimizedModule``, in either order, or ``module`` itself."""
-    wrappers, compiled = _wrapper_types(), _compiled_type()
-    while True:
-        if isinstance(module, wrappers):
-            module = module.module
-        elif compiled is not None and isinstance(module, compiled):
-            module = module._orig_mod
-        else:
-            return module
+    while (layer := _peel(module, PREFIX)) is not None:
+        module = layer[1]
+    return module
 
 
-def _compiled_type() -> type | None:
-    """``torch.compile``'s module wrapper, where Dynamo is loaded (else no module is compiled)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", None)
+def _peel(module: nn.Module, prefix: str) -> tuple[str, nn.Module] | None:
+    """For a wrapper, the prefix it puts before its inner module's keys and that module; else None."""
+    if isinstance(module, _wrapper_types()):
+        return prefix, module.module
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing is compiled
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    if compiled is not None and isinstance(module, compiled):
+        return COMPILED_PREFIX, module._orig_mod
+    return None
 
 
 def _wrapper_types() -> tuple[type, ...]:
