@@ -268,4 +268,4 @@ def test_a_state_dict_that_fits_no_way_lists_the_keys():
     assert str(caught.value) == (
         "the state dict does not fit Linear (tried it as is, with 'module.' removed). Closest, with 'module.' "
         "removed: 1 of the model's keys are missing, e.g. ['bias']; 1 keys are unexpected, e.g. ['scale']. "
-        "HINT: was the checkpoint saved from another model? Pass strict=False to load the keys that match.")
+        "HINT: was the checkpoint saved from another model? Pass strict=False to load the keys that match (1 of 2).")

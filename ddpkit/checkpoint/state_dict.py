@@ -118,9 +118,9 @@ def load_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bo
         f"the state dict does not fit {type(module).__name__} (tried it {tried}). Closest, {best_name}: "
         f"{len(missing)} of the model's keys are missing{_eg(missing)}; {len(unexpected)} keys "
         f"are unexpected{_eg(unexpected)}.",
-        f"was the checkpoint saved from another model? Pass strict=False to load the {matching} keys that "
-        "match." if matching else "was the checkpoint saved from another model? No key matches in any of "
-        "these forms, so strict=False would load nothing."),
+        "was the checkpoint saved from another model? " + (
+            f"Pass strict=False to load the keys that match ({matching} of {len(target)})." if matching else
+            "No key matches in any of these forms, so strict=False would load nothing.")),
         missing=missing, unexpected=unexpected)
 
 
