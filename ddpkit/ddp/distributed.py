@@ -195,10 +195,15 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         if self._python_reducer is not None and torch.compiler.is_compiling():
             # optimize_ddp="python_reducer": Dynamo traces the whole forward, fullgraph=True too, as
             # torch's DDP lets it there (its forward then skips its own bookkeeping, as here)
-            if self.device_ids:
-                inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
+            inputs, kwargs = self._on_device(inputs, kwargs)
             return self.module(*inputs, **kwargs)
         return self._forward(*inputs, **kwargs)
+
+    def _on_device(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The inputs on the module's device where ``device_ids`` names one, as torch's DDP moves them."""
+        if not self.device_ids:
+            return inputs, kwargs
+        return to_device(inputs, self.device), to_device(kwargs, self.device)
 
     @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -214,8 +219,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
 
     @bookkeeping
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.device_ids:
-            inputs, kwargs = to_device(inputs, self.device), to_device(kwargs, self.device)
+        inputs, kwargs = self._on_device(inputs, kwargs)
         grad_enabled = torch.is_grad_enabled()
         if self.reducer is not None and self.reducer.adopt:
             self.reducer.layout.let_go_of_retired()
