@@ -23,7 +23,8 @@ __all__ = ["main", "parse_args", "parse_all"]
 
 _TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
                   "collectives": "collectives", "ddp": "ddp", "step": "ddp", "buckets": "buckets",
-                  "hooks": "buckets", "memory": "memory", "5": "profile", "profile": "profile"}
+                  "hooks": "buckets", "memory": "memory", "5": "profile", "profile": "profile",
+                  "6": "big", "big": "big"}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,8 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="ddpkit bench",
         description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
                     "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
-                    "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile).")
+                    "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile) "
+                    "and 6 big (where a gradient is scaled by its own hook).")
     parser.add_argument("--nproc", default="2",
                         help="local ranks to spawn, or a comma list (2,3): one run per world size, "
                              "--json and --plot files then named FILE.nN.ext (default 2)")
@@ -53,8 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-models", default="large",
                         help="the models of the bucket-cap and hook sweep, table 3 (default large)")
     parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
-                        help="comma list of: collectives, ddp, buckets, memory, profile (or 1-5); "
-                             "default all but profile")
+                        help="comma list of: collectives, ddp, buckets, memory, profile, big (or 1-6); "
+                             "default all but profile and big")
     parser.add_argument("--max-size", type=int, default=None, metavar="MIB",
                         help="largest collective message in MiB (default 256, quick 1)")
     parser.add_argument("--threads", type=int, default=None,
@@ -127,7 +129,7 @@ def parse_args(argv: list[str], nproc: int | None = None):
     bad = [t for t in tables if t not in _TABLE_ALIASES]
     if bad or not tables:
         parser.error(f"--tables {args.tables!r}: expected a comma list of collectives, ddp, "
-                     "buckets, memory, profile (or 1-5).")
+                     "buckets, memory, profile, big (or 1-6).")
     if args.plot_path:
         try:
             import matplotlib  # noqa: F401

@@ -119,8 +119,8 @@ def make_stepper(variant: str, model_name: str, quick: bool, device: torch.devic
 
 
 def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, steps: int,
-                     warmup: int, device: torch.device,
-                     cpu_out: dict[Any, list[float]] | None = None) -> dict[Any, list[float]]:
+                     warmup: int, device: torch.device, cpu_out: dict[Any, list[float]] | None = None,
+                     cpu_clock: Callable[[], float] = time.process_time) -> dict[Any, list[float]]:
     """Seconds per step for each stepper, ``repeats`` each, in rounds; max over ranks.
 
     Odd rounds run the steppers in reverse order: in a fixed order each variant always follows the
@@ -128,6 +128,7 @@ def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, step
     docs/performance.md).
     ``cpu_out`` receives the process CPU seconds per step as well (all threads of the rank, Gloo's
     included): on a shared, noisy machine it shows the work done where wall time shows the waiting.
+    ``cpu_clock``: what that CPU time is read from (``time.thread_time``: the main thread's only).
     """
     names = list(steppers)
     for name in names:
@@ -138,12 +139,12 @@ def time_interleaved(steppers: dict[Any, Callable[[], None]], repeats: int, step
         order = list(enumerate(names))
         for i, name in order if rep % 2 == 0 else reversed(order):
             barrier(device)
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start = time.perf_counter(), cpu_clock()
             for _ in range(steps):
                 steppers[name]()
             synchronize(device)
             times[0, i, rep] = (time.perf_counter() - start) / steps
-            times[1, i, rep] = (time.process_time() - cpu_start) / steps
+            times[1, i, rep] = (cpu_clock() - cpu_start) / steps
     times = max_over_ranks(times, device)
     if cpu_out is not None:
         cpu_out.update({name: times[1, i].tolist() for i, name in enumerate(names)})

@@ -138,6 +138,11 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
 
         results["threads"] = threads.run_threads(list(config.models), config.quick, max(3, config.steps * 3), device)
         _print(threads.threads_table(results["threads"], world_size).render())
+    if "big" in config.tables:
+        from ddpkit.bench import big_gradients
+
+        results["big_gradients"] = big_gradients.run_big_gradients(config.quick, config.repeats, config.steps, device)
+        _print(big_gradients.big_gradients_table(results["big_gradients"], world_size).render())
     return results
 
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddpkit.ddp.autograd_engine import without_grad
+
 if TYPE_CHECKING:
     from ddpkit.ddp.bucket import Bucket
 
@@ -35,7 +37,7 @@ def adopt_slots(bucket: Bucket) -> None:
     """Leave the averages of the bucket's big gradients in their slots: each ``.grad`` that only
     itself holds its memory is pointed at its slot; any other gets the average copied in."""
     grads, views = bucket.grads, bucket.views
-    with torch.no_grad():
+    with without_grad():
         for k in range(bucket.num_big):
             grad, slot = grads[k], views[k]
             if grad.data_ptr() == slot.data_ptr():  # it lies there already (zero_grad(set_to_none=False))

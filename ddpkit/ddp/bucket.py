@@ -6,41 +6,52 @@ torch's ``GradBucket`` methods: ``buffer()``, ``index()``, ``parameters()``, ``g
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 
 from ddpkit.ddp.adoption import adopt_slots, let_go_of_replaced_at_fill, storage_refs
+from ddpkit.ddp.autograd_engine import without_grad
 from ddpkit.errors import CommHookError, explain
 
-__all__ = ["Bucket", "GradBucketBasics", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES", "BIG_PARAM_NUMEL",
-           "is_big"]
+__all__ = ["Bucket", "GradBucketBasics", "factor", "copy_in", "move_in", "DEFAULT_FIRST_BUCKET_BYTES",
+           "BIG_PARAM_NUMEL", "is_big"]
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 """torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts the first all-reduce early."""
 
-BIG_PARAM_NUMEL = 16384
+BIG_PARAM_NUMEL = 65536
 """From this size on a CPU gradient (``is_big``) is scaled into its slot with one ``torch.mul(out=)``
 (one pass over memory), by its own hook as soon as it is ready; smaller ones are copied with one
 ``torch._foreach_copy_`` and scaled with one ``mul_`` over their shared region, since per-call
-overhead would dominate; see Note [Big gradients] in docs/design.md."""
+overhead would dominate. ``ddpkit bench --tables big`` measures where the two cross; see Note [Big
+gradients] in docs/design.md."""
 
 
-def is_big(param: torch.Tensor) -> bool:
-    """Whether ``param``'s gradient goes into its slot by its own hook: a CPU one of ``BIG_PARAM_NUMEL``
+def is_big(param: torch.Tensor, numel: int = BIG_PARAM_NUMEL) -> bool:
+    """Whether ``param``'s gradient goes into its slot by its own hook: a CPU one of ``numel``
     elements or more. On a GPU each such copy would be a kernel launch on backward's thread, which
     holds back the next one; there every gradient waits for its bucket's one ``_foreach_copy_`` (with
     ``gradient_as_bucket_view``, a fresh one still moves into its view by its hook, as in torch)."""
-    return param.device.type == "cpu" and param.numel() >= BIG_PARAM_NUMEL
+    return param.device.type == "cpu" and param.numel() >= numel
+
+
+@functools.lru_cache(maxsize=64)
+def factor(scale: float) -> torch.Tensor:
+    """``scale`` as a 0-dim float64 CPU tensor, made once. A kernel reads it as the very scalar it
+    makes of a Python float (the same bits, any dtype or device), but a float is wrapped in a new
+    tensor at every call: in a backward hook that cost 7 us a gradient (17 against 10 us for 64 KiB)."""
+    return torch.tensor(scale, dtype=torch.float64)
 
 
 def copy_in(grad: torch.Tensor, slot: torch.Tensor, scale: float | None) -> None:
     """One pass over a big gradient: multiplied by ``scale`` into its slot, or copied (None)."""
-    with torch.no_grad():
+    with without_grad():
         if scale is None:
             slot.copy_(grad)
         else:
-            torch.mul(grad, scale, out=slot)
+            torch.mul(grad, factor(scale), out=slot)
 
 
 def move_in(param: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor, scale: float | None = None) -> None:
@@ -48,10 +59,10 @@ def move_in(param: torch.Tensor, grad: torch.Tensor, slot: torch.Tensor, scale: 
     becomes ``param.grad``, as soon as it is ready, as torch's reducer does; held until the bucket
     launched, the fresh gradients and the buckets were both alive, one gradient set more at the peak.
     ``scale``: a big gradient is multiplied by it on the way, in the same pass (or in its slot)."""
-    with torch.no_grad():
+    with without_grad():
         if grad is slot:
             if scale is not None:
-                slot.mul_(scale)
+                slot.mul_(factor(scale))
             return
         copy_in(grad, slot, scale)
     param.grad = slot
@@ -100,20 +111,22 @@ class Bucket(GradBucketBasics):
     """
 
     sparse = False  # a SparseBucket (ddpkit.ddp.sparse_bucket) is launched its own way
+    big_numel = BIG_PARAM_NUMEL  # ``is_big``'s threshold (``ddpkit bench --tables big`` moves it)
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], param_indices: list[int],
                  is_last: bool, extra: int = 0, memory: torch.Tensor | None = None):
         self._index = index
         self._is_last = is_last
         # big tensors first: the small ones then share one region, scaled with a single mul_
-        layout = sorted(range(len(params)), key=lambda k: not is_big(params[k]))
+        big = [is_big(p, self.big_numel) for p in params]
+        layout = sorted(range(len(params)), key=lambda k: not big[k])
         # a comm hook sees the parameters in the order given (torch's), whatever the layout
         self._given_order = sorted(range(len(params)), key=lambda pos: layout[pos])
         self.params = [params[k] for k in layout]
         self.param_indices = [param_indices[k] for k in layout]
         self.numel = sum(p.numel() for p in self.params)
         self.extra = extra
-        self.num_big = sum(map(is_big, self.params))
+        self.num_big = sum(big)
         # big gradients left in their slots after an iteration: (position, weakref to the gradient)
         self.adopted: list[tuple[int, Any]] = []
         self.retired: list[Any] = []  # their old memory, until the next forward (Note [Averages in their slots])
@@ -159,14 +172,14 @@ class Bucket(GradBucketBasics):
         self.has_none = any(g is None for g in grads)
         if self.adopted:
             let_go_of_replaced_at_fill(self, grads, copied)
-        with torch.no_grad():
+        with without_grad():
             if scale is not None and not as_view and not self.has_none:  # the common case
                 for k in range(num_big):
                     if not copied[indices[k]]:
                         copy_in(grads[k], views[k], scale)
                 if num_big < len(grads):
                     torch._foreach_copy_(views[num_big:], grads[num_big:])
-                    self.small_region.mul_(scale)
+                    self.small_region.mul_(factor(scale))
                 return
             copy_src, copy_dst = [], []
             for k, (g, v) in enumerate(zip(grads, views)):
@@ -174,7 +187,7 @@ class Bucket(GradBucketBasics):
                     continue
                 if g is v:  # gradient_as_bucket_view: already in place
                     if k < num_big and scale is not None:
-                        v.mul_(scale)
+                        v.mul_(factor(scale))
                 elif g is None:
                     v.zero_()
                 elif k < num_big:
@@ -185,7 +198,7 @@ class Bucket(GradBucketBasics):
             if copy_dst:
                 torch._foreach_copy_(copy_dst, copy_src)
             if scale is not None and self.small_region.numel():
-                self.small_region.mul_(scale)
+                self.small_region.mul_(factor(scale))
         if as_view:
             for p, g, v in zip(self.params, grads, views):
                 if g is not None and g is not v:

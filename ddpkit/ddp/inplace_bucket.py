@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-from ddpkit.ddp.bucket import Bucket, GradBucketBasics
+from ddpkit.ddp.autograd_engine import without_grad
+from ddpkit.ddp.bucket import Bucket, GradBucketBasics, factor
 
 __all__ = ["InPlaceBucket", "IN_PLACE_BYTES"]
 
@@ -55,13 +56,13 @@ class InPlaceBucket(GradBucketBasics):
         grad = param.grad
         self.grads = [grad]
         self.has_none = grad is None
-        with torch.no_grad():
+        with without_grad():
             if grad is None:
                 data = torch.zeros_like(param, memory_format=torch.contiguous_format)
             else:
                 data = grad if grad.is_contiguous() else grad.contiguous()
                 if scale is not None:
-                    data.mul_(scale)
+                    data.mul_(factor(scale))
         self._data = data
         self.flat = self._buffer = data.view(-1)
 
@@ -74,7 +75,7 @@ class InPlaceBucket(GradBucketBasics):
             if mask is None or mask[self.param_indices[0]]:
                 self.params[0].grad = data
         elif data is not grad:
-            with torch.no_grad():
+            with without_grad():
                 grad.copy_(data)
 
     def zeros_like(self) -> Bucket:

@@ -80,7 +80,7 @@ class Reducer(ReducerConfig):
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
                                    one_block=() if self.adopt else one_block,
                                    own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
-        self._big = [is_big(p) for p in self.params]  # scaled by their own hooks
+        self._big = [is_big(p, bucket_type.big_numel) for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch

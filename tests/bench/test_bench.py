@@ -302,3 +302,31 @@ def test_memory_table_in_a_world_of_one_finds_no_bucket_rather_than_failing():
     from ddpkit.bench.memory import _ddpkit_buckets
 
     assert _ddpkit_buckets(SimpleNamespace(reducer=None)) == {}  # world of one: DDP has no reducer
+
+
+def test_big_table_times_both_paths_of_a_cpu_gradient(tmp_path):
+    """``--tables big`` (on request only): each size trains with every gradient scaled by its own
+    hook, with every one copied at the bucket's launch, and with torch's DDP."""
+    assert parse_args(["--tables", "6"]).tables == ("big",)
+    assert "big" not in parse_args([]).tables
+    out = tmp_path / "big.json"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--tables", "big", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "6. ddpkit DDP: a gradient scaled by its own hook, or at its bucket's launch" in proc.stdout
+    rows = json.loads(out.read_text())["big_gradients"]
+    assert [r["numel"] for r in rows] == [4096, 65536]
+    for r in rows:
+        for variant in ("own hook", "at launch", "torch"):
+            assert r[variant]["median"] > 0 and r[variant]["cpu_median"] > 0
+        assert r["own/launch"]["median"] > 0
+
+
+def test_the_big_tables_variants_put_every_gradient_on_one_path():
+    from ddpkit.bench.big_gradients import _AtLaunchBucket, _OwnHookBucket
+    from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, BIG_PARAM_NUMEL)]
+    assert _OwnHookBucket(0, params, [0, 1], True).num_big == 2
+    assert _AtLaunchBucket(0, params, [0, 1], True).num_big == 0
+    assert Bucket(0, params, [0, 1], True).num_big == 1
