@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-__all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "inside_ddp_forward"]
+__all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "DYNAMO_CALLBACK", "inside_ddp_forward"]
 
 ACTIVE_SLOT = "_active_ddp_module"
 """torch's DDP class attribute that Dynamo reads (via ``_get_active_ddp_module``) for DDPOptimizer."""
@@ -51,8 +51,17 @@ def eager(forward: _F) -> _F:
 
 def bookkeeping(method: _F) -> _F:
     """``method`` and all it calls run outside Dynamo: no frame of the reducer is compiled (its
-    ``.tolist()``, pybind collective options and ``grad_fn`` reads each broke a graph)."""
+    ``.tolist()``, pybind collective options and ``grad_fn`` reads each broke a graph). The wrapper
+    costs 15 us a call; where no Dynamo callback is installed (``DYNAMO_CALLBACK``) the caller runs
+    ``method.__wrapped__`` itself instead: there is no Dynamo to keep out."""
     return torch._disable_dynamo(method, recursive=True)
+
+
+DYNAMO_CALLBACK: Callable[[], Any] | None = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                                                   "get_eval_frame_callback", None)
+"""Reads the callback Dynamo runs each new Python frame through: None while no torch.compile runs
+around the call. A C function, so an ``eager`` frame calls it without entering a frame that Dynamo
+would compile. None where this torch lacks it: the bookkeeping then always goes through the wrapper."""
 
 
 @contextlib.contextmanager
