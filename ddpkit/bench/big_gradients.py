@@ -89,7 +89,6 @@ def big_gradients_table(rows: list[dict], world_size: int) -> Table:
     table.notes.append(f"{LAYERS} bias-free Linear layers whose weights have that many elements. own hook: every "
                        "gradient scaled into its slot by its own hook and left there; at launch: copied with "
                        "the bucket's one _foreach_copy_ and scaled by one mul_. own/launch: median over rounds "
-                       "of the paired ratio; cpu: the main thread's CPU time, where the hooks run (max over ranks). "
-                       "ddpkit's BIG_PARAM_NUMEL "
-                       "belongs where own hook starts to cost less.")
+                       "of the paired ratio; cpu: the main thread's CPU time, where the hooks run (max over "
+                       "ranks). ddpkit's BIG_PARAM_NUMEL belongs where own hook starts to cost less.")
     return table

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.arguments import bucket_caps as _bucket_caps
-from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket
+from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, DEFAULT_FIRST_BUCKET_BYTES, Bucket, factor
 from ddpkit.ddp.bucket_groups import assign_buckets, initial_groups, rebuilt_groups
 from ddpkit.ddp.distributed import DistributedDataParallel
 
@@ -105,3 +105,14 @@ def test_torchs_small_first_bucket_comes_with_the_default_cap_only():
     layers = [torch.empty(64 * 64) for _ in range(200)]  # 3.2 MiB in 16 KiB tensors
     order = list(reversed(range(200)))
     assert [len(b) for b in assign_buckets(layers, order, *_bucket_caps(None))] == [64, 136]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
+def test_the_scale_as_a_tensor_gives_the_bits_of_the_python_float(dtype):
+    """The buckets multiply by ``factor(1 / world_size)``, as torch's reducer multiplies by the float."""
+    grad = torch.randn(4099, dtype=dtype) * 3.7
+    for world_size in (2, 3, 6, 7, 1000):
+        scale = 1.0 / world_size
+        assert torch.equal(torch.mul(grad, factor(scale)), torch.mul(grad, scale))
+        assert torch.equal(grad.clone().mul_(factor(scale)), grad.clone().mul_(scale))
+        assert torch.mul(grad, factor(scale)).dtype == dtype
