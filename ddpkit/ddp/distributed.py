@@ -207,8 +207,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
 
     @eager  # torch.compile: this runs eagerly, the module is compiled (see ddpkit.ddp.compile_support)
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # no torch.compile around this call: the bookkeeping runs straight, without the wrapper
-        # that keeps Dynamo out of it (15 us a call)
+        # no torch.compile around this call: no wrapper to keep Dynamo out of the bookkeeping (15 us)
         direct = DYNAMO_CALLBACK is not None and DYNAMO_CALLBACK() is None
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
             inputs, kwargs = (self._pre_forward.__wrapped__(self, inputs, kwargs) if direct

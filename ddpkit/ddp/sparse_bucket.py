@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.ddp.autograd_engine import without_grad
 from ddpkit.ddp.bucket import GradBucketBasics
 from ddpkit.errors import CommHookError, DenseGradientError, explain
 
@@ -72,7 +73,7 @@ class SparseBucket(GradBucketBasics):
                 "gradient), or build the embedding with sparse=False.", who="DistributedDataParallel",
                 rank=rank), rank=rank, parameter=self.name)
         elif scale is not None:
-            with torch.no_grad():
+            with without_grad():
                 grad.mul_(scale)
         self.grad = self._buffer = grad
 
