@@ -209,16 +209,17 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
     def _forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # no torch.compile around this call: no wrapper to keep Dynamo out of the bookkeeping (15 us)
         direct = DYNAMO_CALLBACK is not None and DYNAMO_CALLBACK() is None
+        pre = getattr(self._pre_forward, "plain", None) if direct else None  # a subclass's override: as it is
+        post = getattr(self._post_forward, "plain", None) if direct else None
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
-            inputs, kwargs = (self._pre_forward.__wrapped__(self, inputs, kwargs) if direct
-                              else self._pre_forward(inputs, kwargs))
+            inputs, kwargs = pre(self, inputs, kwargs) if pre else self._pre_forward(inputs, kwargs)
             with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
                 if self.mixed_precision is None:
                     output = self.module(*inputs, **kwargs)
                 else:  # on copies in param_dtype, made now
                     output = mp.forward_in_param_dtype(self.module, self.mixed_precision,
                                                        self.parameters_to_ignore, inputs, kwargs)
-            return self._post_forward.__wrapped__(self, output) if direct else self._post_forward(output)
+            return post(self, output) if post else self._post_forward(output)
 
     @bookkeeping
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
