@@ -49,7 +49,7 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
     while frame is not None:
         code = frame.f_code
         if not _is_internal(code):
-            return (code.co_filename, frame.f_lineno, code.co_name, _user_frame(frame.f_back)), via
+            return _with_caller(frame), via
         if via != "DDP":
             if code.co_filename.startswith(_DDP):
                 via = "DDP"
@@ -66,20 +66,26 @@ def _first_user(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
+def _site(frame: FrameType) -> Site:
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _with_caller(frame: FrameType) -> Site:
+    """``frame`` as a ``Site``, with the user frame that called it."""
+    return _site(frame) + (_user_frame(frame.f_back),)
+
+
 def _user_frame(frame: FrameType | None) -> Site | None:
     """The innermost user frame from ``frame`` outwards as a ``Site``, without its own caller."""
     frame = _first_user(frame)
-    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+    return None if frame is None else _site(frame)
 
 
 def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:
     """(the innermost user frame with its caller, the innermost frame) of a thread whose top frame
     is ``frame``: a rank stuck in a helper (``wait_for_file()``) is shown with the line that called it."""
-    top = None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
     user = _first_user(frame)
-    if user is None:
-        return None, top
-    return (user.f_code.co_filename, user.f_lineno, user.f_code.co_name, _user_frame(user.f_back)), top
+    return (None if user is None else _with_caller(user)), (None if frame is None else _site(frame))
 
 
 def traceback_site(tb) -> Site | None:
