@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ddpkit.ddp.adoption import reclaim
 from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.bucket_groups import initial_groups, rebuilt_groups
-from ddpkit.ddp.inplace_bucket import InPlaceBucket
+from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES, InPlaceBucket
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.ddp.sparse_bucket import SparseBucket
 from ddpkit.runtime.comm import comm_device
@@ -39,27 +39,33 @@ class BucketLayout:
             which names it in errors), else None.
         in_place_bytes: a CPU gradient of this many bytes or more is reduced where it lies, in an
             ``InPlaceBucket`` of its own, wherever the layout is ddpkit's own (no comm hook, no
-            ``as_view``, no ``cap_list``); 0: never. See Note [Big gradients in place].
+            ``as_view``, no ``cap_list``); 0: never; None: ``IN_PLACE_BYTES``. See Note [Big
+            gradients in place].
         own_cap: the cap this rank would give ddpkit's own CPU buckets (no comm hook) from the
             rebuild on, where rank 0's choice, broadcast with the order, holds on every rank; before
             it (and without a rebuild), ``cap_bytes``.
+        keep_in_place: whether this rank would keep reducing big gradients in place after the
+            rebuild; rank 0's choice holds there, as for ``own_cap`` (before it they are in place).
         one_block: the device types whose dense buckets share one block per device and dtype.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int, *,
                  as_view: bool, rebuild: bool, bucket_type: type[Bucket] = Bucket, cap_list: Sequence[int] = (),
-                 like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int = 0,
-                 own_cap: int | None = None, one_block: Sequence[str] = ONE_BLOCK_DEVICES):
+                 like_torch: bool = False, sparse: Sequence[str | None] = (), in_place_bytes: int | None = 0,
+                 own_cap: int | None = None, keep_in_place: bool = True,
+                 one_block: Sequence[str] = ONE_BLOCK_DEVICES):
         self.params = list(params)
         self.cap, self.first_cap = cap_bytes, first_cap_bytes
         self.own_cap: int | None = None  # every rank's, the same: the cap until the rebuild
         self._own_cap_wanted = cap_bytes if own_cap is None else own_cap
+        self._keep_in_place_wanted = keep_in_place
         self.cap_list, self.like_torch = tuple(cap_list), like_torch
         self.as_view = as_view
         self.bucket_type = bucket_type
         self.one_block = tuple(one_block)
         self.sparse_names = list(sparse)
         self.sparse = [name is not None for name in sparse] if any(name is not None for name in sparse) else []
+        in_place_bytes = IN_PLACE_BYTES if in_place_bytes is None else in_place_bytes
         free = in_place_bytes > 0 and not (as_view or like_torch or cap_list)
         self.in_place = [free and p.device.type == "cpu" and not (self.sparse and self.sparse[i])
                          and p.numel() * p.element_size() >= in_place_bytes for i, p in enumerate(self.params)]
@@ -99,11 +105,14 @@ class BucketLayout:
     def rebuild(self, group: Any, hooked: bool) -> None:
         """Rebuild in rank 0's order, which every rank receives (a broadcast on every rank)."""
         # on the device the group reduces on: an NCCL-only group carries no CPU tensor
-        # rank 0's own cap rides behind the order: the ranks' buckets must match, their cores may not
-        order = torch.tensor(self.rebuild_order() + [self._own_cap_wanted], dtype=torch.int64,
-                             device=comm_device(group))
+        # rank 0's own cap and in-place choice ride behind the order: the ranks' buckets must
+        # match, their cores may not
+        wanted = [self._own_cap_wanted, int(self._keep_in_place_wanted)]
+        order = torch.tensor(self.rebuild_order() + wanted, dtype=torch.int64, device=comm_device(group))
         dist.broadcast(order, src=dist.get_global_rank(group, 0), group=group)
-        *order, self.own_cap = order.tolist()
+        *order, self.own_cap, keep_in_place = order.tolist()
+        if not keep_in_place:
+            self.in_place = []
         alone = [] if hooked else self.in_place
         groups = rebuilt_groups(self.params, order, self.cap, self.first_cap,
                                 hooked=hooked or self.like_torch, cap_list=self.cap_list, sparse=self.sparse,

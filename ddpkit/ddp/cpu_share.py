@@ -1,5 +1,5 @@
 """Whether a rank's Gloo threads have cores of their own beside backward: the CPU bucket layout
-depends on it (see Note [Bucket layout on CPU] in docs/design.md)."""
+depends on it (see Notes [Bucket layout on CPU] and [Big gradients in place] in docs/design.md)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,16 +8,22 @@ import torch
 
 from ddpkit.runtime.environments.threads import available_cores
 
-__all__ = ["SPARE_CORES_CAP_BYTES", "own_cpu_cap", "spare_cores_per_rank"]
+__all__ = ["SPARE_CORES_CAP_BYTES", "cores_per_rank", "in_place_pays", "own_cpu_cap", "spare_cores_per_rank"]
 
 SPARE_CORES_CAP_BYTES = 5 << 20
 """With spare cores and the default cap, buckets of small CPU gradients close at this size."""
 
 
+def cores_per_rank(world_size: int) -> float:
+    """This rank's share of the host's cores. Unsure how many ranks share the host, it assumes all
+    of them do."""
+    return available_cores() / _local_ranks(world_size)
+
+
 def spare_cores_per_rank(world_size: int) -> float:
     """This rank's share of the host's cores less its intra-op threads; below 1 when backward's
-    threads fill every core. Unsure how many ranks share the host, it assumes all of them do."""
-    return available_cores() / _local_ranks(world_size) - torch.get_num_threads()
+    threads fill every core."""
+    return cores_per_rank(world_size) - torch.get_num_threads()
 
 
 def _local_ranks(world_size: int) -> int:
@@ -44,3 +50,15 @@ def own_cpu_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, world_
     except Exception:  # noqa: BLE001 - an odd host must not stop training, nor one rank alone
         return cap
     return min(cap, SPARE_CORES_CAP_BYTES) if spare >= 1 else cap
+
+
+def in_place_pays(world_size: int) -> bool:
+    """Whether big CPU gradients are best reduced where they lie, each by a collective of its own
+    launched during backward: where every rank has a core, or where all ranks take turns on one.
+    With more ranks than cores, and more than one core, the extra collectives cost more CPU than
+    the copies they save (measured, Note [Big gradients in place]). A heuristic: whatever goes
+    wrong in it leaves the gradients in place."""
+    try:
+        return available_cores() <= 1 or cores_per_rank(world_size) >= 1
+    except Exception:  # noqa: BLE001 - an odd host must not stop training, nor one rank alone
+        return True

@@ -28,9 +28,8 @@ from ddpkit.ddp.autograd_engine import (
 from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import ONE_BLOCK_DEVICES, BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
-from ddpkit.ddp.cpu_share import own_cpu_cap
+from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
 from ddpkit.ddp.ddp_logger import DDPLogger
-from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.outputs import unreached_parameters
 from ddpkit.ddp.profiling import bucket_range, profiled
@@ -48,7 +47,8 @@ class Reducer(ReducerConfig):
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
     options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
-    ``in_place_bytes``: see Note [Big gradients in place] (0: never); ``one_block``: the device types
+    ``in_place_bytes``: see Note [Big gradients in place] (0: never; None: ``IN_PLACE_BYTES``, kept
+    after the rebuild where rank 0's host has a core per rank); ``one_block``: the device types
     whose buckets share one block (Note [One block per device]); ``adopt``: see Note [Averages in
     their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only."""
 
@@ -57,7 +57,7 @@ class Reducer(ReducerConfig):
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
                  cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
-                 in_place_bytes: int = IN_PLACE_BYTES, one_block: Sequence[str] = ONE_BLOCK_DEVICES,
+                 in_place_bytes: int | None = None, one_block: Sequence[str] = ONE_BLOCK_DEVICES,
                  adopt: bool = True, logger: DDPLogger | None = None):
         self.params = list(params)
         self.names = list(names)
@@ -78,6 +78,7 @@ class Reducer(ReducerConfig):
                                    rebuild=not (find_unused_parameters and not static_graph), sparse=sparse,
                                    bucket_type=bucket_type, cap_list=cap_list, like_torch=self.skip_unused,
                                    in_place_bytes=0 if find_unused_parameters or static_graph else in_place_bytes,
+                                   keep_in_place=in_place_bytes is not None or in_place_pays(self.world_size),
                                    one_block=() if self.adopt else one_block,
                                    own_cap=own_cpu_cap(self.params, cap_bytes, first_cap_bytes, self.world_size))
         self._big = [is_big(p, bucket_type.big_numel) for p in self.params]  # scaled by their own hooks

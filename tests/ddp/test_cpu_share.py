@@ -1,5 +1,6 @@
-"""The CPU bucket cap where Gloo's threads have cores to spare: which cap, and rank 0's choice holds on
-every rank (buckets that differ between ranks would sum different gradients)."""
+"""The CPU bucket layout by the host's cores: the cap where Gloo's threads have cores to spare, big
+gradients in place where every rank has a core, and rank 0's choice holds on every rank (buckets
+that differ between ranks would sum different gradients)."""
 from __future__ import annotations
 
 import pytest
@@ -98,4 +99,68 @@ def _rank_zero_chooses_the_cap(spare_on: list[int]) -> dict:
 def test_every_rank_takes_rank_zeros_cap_and_trains_as_torch(spare_on, buckets):
     for rank, out in enumerate(run_ranks(_rank_zero_chooses_the_cap, 2, args=(spare_on,), timeout=100)):
         assert out["buckets"] == buckets, (rank, out)
+        assert out["diff"] <= 1e-5, (rank, out)
+
+
+@pytest.mark.parametrize("cores, ranks, expected", [
+    (16, 2, True), (2, 2, True),  # a core per rank: each collective runs beside backward
+    (2, 3, False), (2, 4, False), (6, 8, False),  # more ranks than cores: fewer collectives cost less
+    (1, 2, True), (1, 3, True),  # one core: the ranks take turns, and the copies saved pay
+])
+def test_big_gradients_stay_in_place_where_every_rank_has_a_core_or_all_share_one(
+        monkeypatch, cores, ranks, expected):
+    monkeypatch.setattr(cpu_share, "available_cores", lambda: cores)
+    monkeypatch.setattr(cpu_share, "_local_ranks", lambda world_size: ranks)
+    assert cpu_share.in_place_pays(world_size=ranks) is expected
+
+
+def test_an_odd_host_keeps_big_gradients_in_place_rather_than_failing_the_constructor(monkeypatch):
+    def broken():
+        raise ZeroDivisionError("a cgroup period of 0")
+
+    monkeypatch.setattr(cpu_share, "available_cores", broken)
+    assert cpu_share.in_place_pays(world_size=2) is True
+
+
+class _Wide(torch.nn.Module):
+    """Three 2.25 MiB weights, each big enough to be reduced where it lies by default."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(768, 768) for _ in range(3)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _rank_zero_chooses_in_place(pays_on: list[int]) -> dict:
+    import ddpkit.ddp.reducer
+    from ddpkit.ddp.inplace_bucket import InPlaceBucket
+
+    rank = dist.get_rank()
+    ddpkit.ddp.reducer.in_place_pays = lambda world_size: rank in pays_on
+    states, in_place = [], []
+    for cls in (ddpkit.ddp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        ddp = cls(_Wide())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(8, 768, generator=data)).square().mean().backward()
+            opt.step()
+            if cls is ddpkit.ddp.DistributedDataParallel:
+                in_place.append(sum(isinstance(b, InPlaceBucket) for b in ddp.reducer.buckets))
+        states.append([p.detach().clone() for p in ddp.parameters()])
+    diff = max((a - b).abs().max().item() for a, b in zip(*states))
+    return {"in_place": in_place, "diff": diff}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pays_on, after_rebuild", [([0], 3), ([1], 0), ([0, 1], 3)],
+                         ids=["rank0_has_the_cores", "rank1_has_the_cores", "both"])
+def test_every_rank_takes_rank_zeros_in_place_choice_and_trains_as_torch(pays_on, after_rebuild):
+    for rank, out in enumerate(run_ranks(_rank_zero_chooses_in_place, 2, args=(pays_on,), timeout=100)):
+        # the first backward reduces in place on every rank; rank 0's choice holds from the rebuild on
+        assert out["in_place"] == [3, after_rebuild, after_rebuild], (rank, out)
         assert out["diff"] <= 1e-5, (rank, out)
