@@ -24,7 +24,7 @@ __all__ = ["main", "parse_args", "parse_all"]
 _TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
                   "collectives": "collectives", "ddp": "ddp", "step": "ddp", "buckets": "buckets",
                   "hooks": "buckets", "memory": "memory", "5": "profile", "profile": "profile",
-                  "6": "big", "big": "big"}
+                  "6": "big", "big": "big", "7": "in_place", "in_place": "in_place"}
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
                     "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
                     "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile) "
-                    "and 6 big (where a gradient is scaled by its own hook).")
+                    "6 big (where a gradient is scaled by its own hook) and 7 in_place (big "
+                    "gradients in place or in buckets).")
     parser.add_argument("--nproc", default="2",
                         help="local ranks to spawn, or a comma list (2,3): one run per world size, "
                              "--json and --plot files then named FILE.nN.ext (default 2)")
@@ -55,8 +56,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bucket-models", default="large",
                         help="the models of the bucket-cap and hook sweep, table 3 (default large)")
     parser.add_argument("--tables", default="collectives,ddp,buckets,memory",
-                        help="comma list of: collectives, ddp, buckets, memory, profile, big (or 1-6); "
-                             "default all but profile and big")
+                        help="comma list of: collectives, ddp, buckets, memory, profile, big, in_place "
+                             "(or 1-7); default all but profile, big and in_place")
     parser.add_argument("--max-size", type=int, default=None, metavar="MIB",
                         help="largest collective message in MiB (default 256, quick 1)")
     parser.add_argument("--threads", type=int, default=None,
@@ -129,7 +130,7 @@ def parse_args(argv: list[str], nproc: int | None = None):
     bad = [t for t in tables if t not in _TABLE_ALIASES]
     if bad or not tables:
         parser.error(f"--tables {args.tables!r}: expected a comma list of collectives, ddp, "
-                     "buckets, memory, profile, big (or 1-6).")
+                     "buckets, memory, profile, big, in_place (or 1-7).")
     if args.plot_path:
         try:
             import matplotlib  # noqa: F401

@@ -143,6 +143,12 @@ def run_tables(config: BenchConfig, device: torch.device) -> dict:
 
         results["big_gradients"] = big_gradients.run_big_gradients(config.quick, config.repeats, config.steps, device)
         _print(big_gradients.big_gradients_table(results["big_gradients"], world_size).render())
+    if "in_place" in config.tables:
+        from ddpkit.bench import in_place
+
+        results["in_place"] = in_place.run_in_place(list(config.models), config.quick, config.repeats,
+                                                    config.steps, device)
+        _print(in_place.in_place_table(results["in_place"], world_size).render())
     return results
 
 

@@ -330,3 +330,25 @@ def test_the_big_tables_variants_put_every_gradient_on_one_path():
     assert _OwnHookBucket(0, params, [0, 1], True).num_big == 2
     assert _AtLaunchBucket(0, params, [0, 1], True).num_big == 0
     assert Bucket(0, params, [0, 1], True).num_big == 1
+
+
+def test_in_place_table_times_big_gradients_in_place_and_in_buckets(tmp_path):
+    """``--tables in_place`` (on request only): each member with big gradients trains with them in
+    place and in buckets, whatever the host's cores, beside torch's DDP; the others are named as
+    not run."""
+    assert parse_args(["--tables", "7"]).tables == ("in_place",)
+    assert "in_place" not in parse_args([]).tables
+    out = tmp_path / "in_place.json"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--tables", "in_place",
+                           "--models", "large,small", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "7. ddpkit DDP: big CPU gradients in place, or in buckets" in proc.stdout
+    result = json.loads(out.read_text())["in_place"]
+    assert [r["model"] for r in result["rows"]] == ["large"] and result["skipped"] == ["small"]
+    row = result["rows"][0]
+    assert row["big_gradients"] == 4  # the quick large model's four 256 KiB weights
+    for variant in ("in place", "buckets", "torch"):
+        assert row[variant]["median"] > 0 and row[variant]["cpu_median"] > 0
+    assert row["buckets/in place"]["median"] > 0
+

@@ -133,14 +133,17 @@ class _Wide(torch.nn.Module):
         return self.layers(x)
 
 
-def _rank_zero_chooses_in_place(pays_on: list[int]) -> dict:
+def _rank_zero_chooses_in_place(pays_on: list[int], in_place_bytes: int | None) -> dict:
     import ddpkit.ddp.reducer
     from ddpkit.ddp.inplace_bucket import InPlaceBucket
 
     rank = dist.get_rank()
     ddpkit.ddp.reducer.in_place_pays = lambda world_size: rank in pays_on
+    ddp_class = ddpkit.ddp.DistributedDataParallel
+    if in_place_bytes is not None:  # given, as the bench's in_place table does: no rule applies
+        ddp_class = type("Given", (ddp_class,), {"_reducer_options": {"in_place_bytes": in_place_bytes}})
     states, in_place = [], []
-    for cls in (ddpkit.ddp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+    for cls in (ddp_class, torch.nn.parallel.DistributedDataParallel):
         torch.manual_seed(0)
         ddp = cls(_Wide())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -149,7 +152,7 @@ def _rank_zero_chooses_in_place(pays_on: list[int]) -> dict:
             opt.zero_grad()
             ddp(torch.randn(8, 768, generator=data)).square().mean().backward()
             opt.step()
-            if cls is ddpkit.ddp.DistributedDataParallel:
+            if cls is ddp_class:
                 in_place.append(sum(isinstance(b, InPlaceBucket) for b in ddp.reducer.buckets))
         states.append([p.detach().clone() for p in ddp.parameters()])
     diff = max((a - b).abs().max().item() for a, b in zip(*states))
@@ -157,10 +160,13 @@ def _rank_zero_chooses_in_place(pays_on: list[int]) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pays_on, after_rebuild", [([0], 3), ([1], 0), ([0, 1], 3)],
-                         ids=["rank0_has_the_cores", "rank1_has_the_cores", "both"])
-def test_every_rank_takes_rank_zeros_in_place_choice_and_trains_as_torch(pays_on, after_rebuild):
-    for rank, out in enumerate(run_ranks(_rank_zero_chooses_in_place, 2, args=(pays_on,), timeout=100)):
+@pytest.mark.parametrize("pays_on, in_place_bytes, after_rebuild", [
+    ([0], None, 3), ([1], None, 0), ([0, 1], None, 3),
+    ([], 1 << 21, 3),  # an in_place_bytes given is kept, whatever the cores
+], ids=["rank0_has_the_cores", "rank1_has_the_cores", "both", "given_in_place_bytes"])
+def test_every_rank_takes_rank_zeros_in_place_choice_and_trains_as_torch(pays_on, in_place_bytes, after_rebuild):
+    for rank, out in enumerate(run_ranks(_rank_zero_chooses_in_place, 2, args=(pays_on, in_place_bytes),
+                                         timeout=100)):
         # the first backward reduces in place on every rank; rank 0's choice holds from the rebuild on
         assert out["in_place"] == [3, after_rebuild, after_rebuild], (rank, out)
         assert out["diff"] <= 1e-5, (rank, out)
