@@ -32,7 +32,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="ddpkit bench",
         description="Collective bandwidth, and DDP step time of ddpkit vs torch vs the floor, on N "
                     "local ranks. Tables: 1 collectives, 2 ddp (step time), 3 buckets (bucket "
-                    "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile) "
+                    "cap and comm hooks), 4 memory; and on request 5 profile (step phases, cProfile), "
                     "6 big (where a gradient is scaled by its own hook) and 7 in_place (big "
                     "gradients in place or in buckets).")
     parser.add_argument("--nproc", default="2",

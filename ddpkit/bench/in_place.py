@@ -17,7 +17,7 @@ from ddpkit.bench.models import build_model, make_batch
 from ddpkit.bench.report import Table, median
 from ddpkit.ddp.cpu_share import in_place_pays
 from ddpkit.ddp.distributed import DistributedDataParallel
-from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES
+from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES, InPlaceBucket
 
 __all__ = ["VARIANTS", "run_in_place", "in_place_table"]
 
@@ -53,8 +53,9 @@ def run_in_place(model_names: list[str], quick: bool, repeats: int, steps: int, 
     threshold = QUICK_IN_PLACE_BYTES if quick else IN_PLACE_BYTES
     result: dict = {"threshold_bytes": threshold, "rule_keeps_in_place": in_place_pays(dist.get_world_size()),
                     "rows": [], "skipped": []}
-    if device.type != "cpu":
-        result["skipped"] = list(model_names)  # the rule is the CPU's: on GPUs every gradient has a bucket
+    if device.type != "cpu" or dist.get_world_size() < 2:
+        # the rule is the CPU's (on GPUs every gradient has a bucket); a world of one has no reducer
+        result["skipped"] = list(model_names)
         return result
     for model_name in model_names:
         big = _big_gradients(model_name, quick, threshold)
@@ -67,6 +68,8 @@ def run_in_place(model_names: list[str], quick: bool, repeats: int, steps: int, 
         row: dict = {"model": model_name, "big_gradients": big}
         for v in VARIANTS:
             row[v] = {"median": median(times[v]), "cpu_median": median(cpu[v]), "times": times[v], "cpu_times": cpu[v]}
+        for v in ("in place", "buckets"):  # after the rebuild: the layout each variant really ran
+            row[v]["in_place_buckets"] = sum(isinstance(b, InPlaceBucket) for b in steppers[v].module.reducer.buckets)
         row["buckets/in place"] = paired_ratio(times["buckets"], times["in place"])
         row["buckets/in place cpu"] = paired_ratio(cpu["buckets"], cpu["in place"])
         result["rows"].append(row)
@@ -90,5 +93,6 @@ def in_place_table(result: dict, world_size: int) -> Table:
     table.notes.append(f"ddpkit's rule on this host ({world_size} ranks): {chosen} (in place where every rank has "
                        "a core, or all share one).")
     if result["skipped"]:
-        table.notes.append("no big gradient, or not on the CPU (not run): " + ", ".join(result["skipped"]))
+        table.notes.append("no big gradient, not on the CPU, or a world of one (not run): "
+                           + ", ".join(result["skipped"]))
     return table

@@ -2,6 +2,7 @@
 depends on it (see Notes [Bucket layout on CPU] and [Big gradients in place] in docs/design.md)."""
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -15,9 +16,15 @@ SPARE_CORES_CAP_BYTES = 5 << 20
 
 
 def cores_per_rank(world_size: int) -> float:
-    """This rank's share of the host's cores. Unsure how many ranks share the host, it assumes all
-    of them do."""
-    return available_cores() / _local_ranks(world_size)
+    """This rank's share of the host's cores: under srun with ``--cpus-per-task``, that many (the
+    affinity mask may be the task's own already, as ``thread_share`` reads it); else the cores over
+    the ranks on the host, and unsure how many share it, over all of them."""
+    cores = available_cores()
+    launcher, local_ranks = _launch(world_size)
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
+    if launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
+        return min(int(per_task), cores)
+    return cores / local_ranks
 
 
 def spare_cores_per_rank(world_size: int) -> float:
@@ -26,16 +33,17 @@ def spare_cores_per_rank(world_size: int) -> float:
     return cores_per_rank(world_size) - torch.get_num_threads()
 
 
-def _local_ranks(world_size: int) -> int:
+def _launch(world_size: int) -> tuple[str, int]:
+    """The launcher, and how many ranks of this group run on this host."""
     try:
         from ddpkit.runtime.env import detect
 
         env = detect()
         if env.launcher != "single" and env.world_size == world_size:
-            return max(1, env.local_world_size)
+            return env.launcher, max(1, env.local_world_size)
     except ValueError:  # launcher variables that contradict each other: init() reports those
         pass
-    return max(1, world_size)
+    return "single", max(1, world_size)
 
 
 def own_cpu_cap(params: Sequence[torch.Tensor], cap: int, first_cap: int, world_size: int) -> int:

@@ -19,7 +19,8 @@ __all__ = ["InPlaceBucket", "IN_PLACE_BYTES"]
 
 IN_PLACE_BYTES = 2 * 1024 * 1024
 """The default ``in_place_bytes``: a CPU gradient of this size or more is reduced where it lies
-(without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters`` or ``static_graph``)."""
+(without a comm hook, ``gradient_as_bucket_view``, ``find_unused_parameters`` or ``static_graph``),
+after the rebuild only where ``cpu_share.in_place_pays`` says so on rank 0."""
 
 
 class InPlaceBucket(GradBucketBasics):

@@ -48,7 +48,7 @@ class Reducer(ReducerConfig):
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
     options; ``split_bytes``: see Note [Gloo halves]; ``bucket_type``: the class of the buckets;
     ``in_place_bytes``: see Note [Big gradients in place] (0: never; None: ``IN_PLACE_BYTES``, kept
-    after the rebuild where rank 0's host has a core per rank); ``one_block``: the device types
+    after the rebuild where ``in_place_pays`` on rank 0); ``one_block``: the device types
     whose buckets share one block (Note [One block per device]); ``adopt``: see Note [Averages in
     their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only."""
 

@@ -110,8 +110,30 @@ def test_every_rank_takes_rank_zeros_cap_and_trains_as_torch(spare_on, buckets):
 def test_big_gradients_stay_in_place_where_every_rank_has_a_core_or_all_share_one(
         monkeypatch, cores, ranks, expected):
     monkeypatch.setattr(cpu_share, "available_cores", lambda: cores)
-    monkeypatch.setattr(cpu_share, "_local_ranks", lambda world_size: ranks)
+    monkeypatch.setattr(cpu_share, "_launch", lambda world_size: ("torchrun", ranks))
     assert cpu_share.in_place_pays(world_size=ranks) is expected
+
+
+_SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+          "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_ID": "7",
+          "SLURM_JOB_NODELIST": "node1", "SLURM_STEP_ID": "0"}
+
+
+@pytest.mark.parametrize("per_task, mask, expected", [
+    ("2", 2, 2.0),  # srun pinned each task to its 2 cores: the mask is this rank's own, not divided
+    ("2", 8, 2.0),  # not pinned: the mask is the node's, the share is still the task's
+    ("4", 2, 2.0),  # never more than the mask
+    ("", 8, 2.0),  # no --cpus-per-task: the node's cores over its 4 tasks
+])
+def test_under_srun_a_rank_has_the_cores_of_its_task(monkeypatch, per_task, mask, expected):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**_SLURM, "SLURM_CPUS_PER_TASK": per_task}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu_share, "available_cores", lambda: mask)
+    assert cpu_share.cores_per_rank(world_size=4) == expected
+    assert cpu_share.in_place_pays(world_size=4)  # with 4 pinned tasks of 2 cores each, in place pays
 
 
 def test_an_odd_host_keeps_big_gradients_in_place_rather_than_failing_the_constructor(monkeypatch):
