@@ -3,6 +3,8 @@ gradients in place where every rank has a core, and rank 0's choice holds on eve
 that differ between ranks would sum different gradients)."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,27 +72,35 @@ class _ManySmall(torch.nn.Module):
         return self.layers(x)
 
 
-def _rank_zero_chooses_the_cap(spare_on: list[int]) -> dict:
-    import ddpkit.ddp.reducer
-
+def _train_beside_torch(ddp_class: type, build: Callable[[], torch.nn.Module], width: int,
+                        observe: Callable[[torch.nn.Module], Any]) -> tuple[list, float]:
+    """Three steps of ``ddp_class`` and of torch's DDP on the same data: what ``observe`` saw of
+    ``ddp_class``'s DDP after each step, and the largest difference of their parameters at the end."""
     rank = dist.get_rank()
-    chosen = cpu_share.SPARE_CORES_CAP_BYTES if rank in spare_on else None
-    ddpkit.ddp.reducer.own_cpu_cap = lambda params, cap, first, world_size: chosen or cap
-    states, counts = [], []
-    for cls in (ddpkit.ddp.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel):
+    states, seen = [], []
+    for cls in (ddp_class, torch.nn.parallel.DistributedDataParallel):
         torch.manual_seed(0)
-        ddp = cls(_ManySmall())
+        ddp = cls(build())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         data = torch.Generator().manual_seed(rank)
         for _ in range(3):
             opt.zero_grad()
-            ddp(torch.randn(8, 512, generator=data)).square().mean().backward()
+            ddp(torch.randn(8, width, generator=data)).square().mean().backward()
             opt.step()
-        if cls is ddpkit.ddp.DistributedDataParallel:
-            counts.append(len(ddp.reducer.buckets))
+            if cls is ddp_class:
+                seen.append(observe(ddp))
         states.append([p.detach().clone() for p in ddp.parameters()])
-    diff = max((a - b).abs().max().item() for a, b in zip(*states))
-    return {"buckets": counts[0], "diff": diff}
+    return seen, max((a - b).abs().max().item() for a, b in zip(*states))
+
+
+def _rank_zero_chooses_the_cap(spare_on: list[int]) -> dict:
+    import ddpkit.ddp.reducer
+
+    chosen = cpu_share.SPARE_CORES_CAP_BYTES if dist.get_rank() in spare_on else None
+    ddpkit.ddp.reducer.own_cpu_cap = lambda params, cap, first, world_size: chosen or cap
+    counts, diff = _train_beside_torch(ddpkit.ddp.DistributedDataParallel, _ManySmall, 512,
+                                       lambda ddp: len(ddp.reducer.buckets))
+    return {"buckets": counts[-1], "diff": diff}
 
 
 @pytest.mark.timeout(120)
@@ -164,20 +174,8 @@ def _rank_zero_chooses_in_place(pays_on: list[int], in_place_bytes: int | None) 
     ddp_class = ddpkit.ddp.DistributedDataParallel
     if in_place_bytes is not None:  # given, as the bench's in_place table does: no rule applies
         ddp_class = type("Given", (ddp_class,), {"_reducer_options": {"in_place_bytes": in_place_bytes}})
-    states, in_place = [], []
-    for cls in (ddp_class, torch.nn.parallel.DistributedDataParallel):
-        torch.manual_seed(0)
-        ddp = cls(_Wide())
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        data = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            opt.zero_grad()
-            ddp(torch.randn(8, 768, generator=data)).square().mean().backward()
-            opt.step()
-            if cls is ddp_class:
-                in_place.append(sum(isinstance(b, InPlaceBucket) for b in ddp.reducer.buckets))
-        states.append([p.detach().clone() for p in ddp.parameters()])
-    diff = max((a - b).abs().max().item() for a, b in zip(*states))
+    in_place, diff = _train_beside_torch(ddp_class, _Wide, 768, lambda ddp: sum(
+        isinstance(b, InPlaceBucket) for b in ddp.reducer.buckets))
     return {"in_place": in_place, "diff": diff}
 
 
