@@ -26,19 +26,19 @@ QUICK_IN_PLACE_BYTES = 64 << 10
 """The quick run's models are small: their big gradients start at 64 KiB."""
 
 
-def _forced(in_place_bytes: int) -> type[DistributedDataParallel]:
+def _in_place(in_place_bytes: int) -> type[DistributedDataParallel]:
     """ddpkit's DDP with ``in_place_bytes`` given, so that the host's cores do not decide."""
     options = {"in_place_bytes": in_place_bytes}
-    return type("ForcedInPlaceDDP", (DistributedDataParallel,), {"_reducer_options": options})
+    return type("InPlaceDDP", (DistributedDataParallel,), {"_reducer_options": options})
 
 
 def _stepper(variant: str, model_name: str, quick: bool, threshold: int, device: torch.device) -> Stepper:
     x, y = make_batch(model_name, quick, device, dist.get_rank())
     model = build_model(model_name, quick, device)
-    if variant == "torch":
-        module = make_ddp("torch", model, device)
-    else:
-        module = _forced(threshold if variant == "in place" else 0)(model)
+    if variant == "in place":
+        module = _in_place(threshold)(model)
+    else:  # "buckets": the profile's ddpkit_buckets, every gradient in a bucket whatever the cores
+        module = make_ddp("torch" if variant == "torch" else "ddpkit_buckets", model, device)
     opt = torch.optim.SGD(module.parameters(), lr=0.01)
     return Stepper(module, opt, x, y, zero=lambda: opt.zero_grad(set_to_none=True))
 

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from ddpkit.runtime.environments.threads import available_cores
+from ddpkit.runtime.environments.threads import available_cores, task_cores
 
 __all__ = ["SPARE_CORES_CAP_BYTES", "cores_per_rank", "in_place_pays", "own_cpu_cap", "spare_cores_per_rank"]
 
@@ -16,15 +16,13 @@ SPARE_CORES_CAP_BYTES = 5 << 20
 
 
 def cores_per_rank(world_size: int) -> float:
-    """This rank's share of the host's cores: under srun with ``--cpus-per-task``, that many (the
-    affinity mask may be the task's own already, as ``thread_share`` reads it); else the cores over
-    the ranks on the host, and unsure how many share it, over all of them."""
+    """This rank's share of the host's cores: under srun with ``--cpus-per-task``, that many (as for
+    its threads, ``task_cores``); else the cores over the ranks on the host, and unsure how many
+    share it, over all of them."""
     cores = available_cores()
     launcher, local_ranks = _launch(world_size)
-    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
-    if launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
-        return min(int(per_task), cores)
-    return cores / local_ranks
+    own = task_cores(launcher, os.environ, cores)
+    return own if own is not None else cores / local_ranks
 
 
 def spare_cores_per_rank(world_size: int) -> float:

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from ddpkit.runtime.environments.cpu_quota import cgroup_cpu_quota
 
-__all__ = ["available_cores", "thread_share"]
+__all__ = ["available_cores", "task_cores", "thread_share"]
 
 _SHARING_LAUNCHERS = ("slurm", "mpi")
 
@@ -40,8 +40,16 @@ def thread_share(launcher: str, local_world_size: int, environ: Mapping[str, str
     if environ.get("OMP_NUM_THREADS", "").strip() or launcher not in _SHARING_LAUNCHERS:
         return None
     cores = available_cores() if cores is None else cores
+    own = task_cores(launcher, environ, cores)
+    return own if own is not None else max(1, cores // max(1, local_world_size))
+
+
+def task_cores(launcher: str, environ: Mapping[str, str], cores: int) -> int | None:
+    """The cores srun gave this task (``--cpus-per-task``), at most ``cores``; None where it gave none.
+
+    The affinity mask may already be the task's own, so it is not divided by the ranks on the node.
+    """
     per_task = environ.get("SLURM_CPUS_PER_TASK", "").strip()
     if launcher == "slurm" and per_task.isdigit() and int(per_task) > 0:
-        # srun gave each task its own cores (--cpus-per-task): the mask may already be the rank's own
         return min(int(per_task), cores)
-    return max(1, cores // max(1, local_world_size))
+    return None
