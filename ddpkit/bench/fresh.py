@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime.quick_exit import quick_exit
+
 __all__ = ["in_fresh_processes"]
 
 _COUNTER = itertools.count()
@@ -66,4 +68,4 @@ def _child(rank: int, world: int, backend: str, threads: int, path: str, fn: Cal
     sender.close()
     # torch's DDP leaves Gloo work that must not be freed while the interpreter finalizes (see
     # runner.rank_main): everything is sent, so skip finalization
-    os._exit(0)
+    quick_exit(0)

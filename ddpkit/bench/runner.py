@@ -11,6 +11,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.runtime.quick_exit import quick_exit
+
 __all__ = ["BenchConfig", "TABLES", "rank_main", "run_tables"]
 
 TABLES = ("collectives", "ddp", "buckets", "memory")
@@ -68,14 +70,14 @@ def rank_main(rank: int, config: BenchConfig, port: int) -> None:
 
         sys.stderr.write(f"[ddpkit bench rank {rank}] " + traceback.format_exc())
         sys.stderr.flush()
-        os._exit(1)  # skip teardown: the other ranks may be stuck in a collective with us
+        quick_exit(1)  # skip teardown: the other ranks may be stuck in a collective with us
     ddpkit.shutdown()
     # torch's DDP, measured here, launches its all-reduces with backward's Python context in their
     # thread state; a Gloo thread freeing one while the interpreter finalizes aborts the process
     # (ddpkit's reducer avoids that, torch's cannot). Everything is written: skip finalization.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    quick_exit(0)
 
 
 def _rank_device(config: BenchConfig, chosen: torch.device, rank: int) -> torch.device:

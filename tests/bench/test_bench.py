@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -34,17 +35,19 @@ than the suite's 120 s, so a loaded machine does not fail it at setup."""
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One ``ddpkit bench --quick --json`` run shared by the tests that read its output."""
+    """One ``ddpkit bench --quick --json`` run shared by the tests that read its output; its
+    temporary files go to a directory of its own (``TMPDIR``), for the test that none is left."""
     out = tmp_path_factory.mktemp("bench") / "out.json"
+    tmpdir = tmp_path_factory.mktemp("tmp")
     proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--backend", "gloo",
                            "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    return proc, out
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmpdir)})
+    return proc, out, tmpdir
 
 
 @pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
 def test_quick_run_exits_zero_and_prints_every_table(quick_run):
-    proc, _ = quick_run
+    proc, _, _ = quick_run
     assert proc.returncode == 0, proc.stderr
     for header in TABLE_HEADERS:
         assert header in proc.stdout, f"{header!r} missing from:\n{proc.stdout}"
@@ -57,7 +60,7 @@ def test_quick_run_exits_zero_and_prints_every_table(quick_run):
 
 @pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
 def test_quick_run_writes_json_with_positive_figures(quick_run):
-    proc, out = quick_run
+    proc, out, _ = quick_run
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert set(data) >= {"meta", "collectives", "ddp_step", "buckets", "memory"}
@@ -98,7 +101,7 @@ def test_quick_run_writes_json_with_positive_figures(quick_run):
 
 @pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
 def test_gradient_as_bucket_view_saves_the_grad_copy(quick_run):
-    _, out = quick_run
+    _, out, _ = quick_run
     data = json.loads(out.read_text())
     by = {(r["model"], r["impl"], r["gradient_as_bucket_view"]): r for r in data["memory"]}
     for (model, impl, view), r in by.items():
@@ -108,6 +111,16 @@ def test_gradient_as_bucket_view_saves_the_grad_copy(quick_run):
             assert r["accounted_bytes"] <= by[(model, impl, False)]["accounted_bytes"]
             if impl == "torch":
                 assert r["accounted_bytes"] < by[(model, impl, False)]["accounted_bytes"]
+
+
+@pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
+def test_quick_run_leaves_no_temporary_directory(quick_run):
+    """The ranks end with os._exit, which skips multiprocessing's exit handler: the directory it
+    made for the memory table's forkserver (``pymp-*``) must go all the same."""
+    proc, _, tmpdir = quick_run
+    assert proc.returncode == 0, proc.stderr
+    # torch's own cache (torchinductor_<user>) is meant to stay
+    assert sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(("pymp-", "ddpkit-"))) == []
 
 
 def test_a_ratio_is_the_median_of_the_rounds_own_ratios():

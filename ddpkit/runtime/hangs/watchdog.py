@@ -22,6 +22,7 @@ from ddpkit.runtime.hangs.callsite import format_site, thread_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
 from ddpkit.runtime.hangs.report import build_report
+from ddpkit.runtime.quick_exit import quick_exit
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot"]
 
@@ -153,7 +154,7 @@ class Watchdog(threading.Thread):
                                     "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
         except Exception:  # noqa: BLE001 - the store may be gone with the job
             pass
-        os._exit(HANG_EXIT_CODE)
+        quick_exit(HANG_EXIT_CODE)
 
     def _store_lost(self, error: Exception) -> None:
         """Without the store there is no inquiry: at the end of a job, when the rank that hosts it has
@@ -167,7 +168,7 @@ class Watchdog(threading.Thread):
                          f"is unreachable ({type(error).__name__}: {first}): the launcher or the rank hosting "
                          f"the store has exited. A certain deadlock: ending with exit code {HANG_EXIT_CODE}.\n")
         sys.stderr.flush()
-        os._exit(HANG_EXIT_CODE)
+        quick_exit(HANG_EXIT_CODE)
 
     def _warn_once(self, text: str) -> None:
         if not self._warned:
