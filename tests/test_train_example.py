@@ -119,7 +119,8 @@ def test_python_and_ddpkit_run_with_one_process_print_the_same_losses(tmp_path, 
 @needs_ddp
 @pytest.mark.timeout(120)
 def test_two_workers_with_one_killed_and_restarted_end_bit_for_bit_like_an_uninterrupted_run(tmp_path):
-    uninterrupted = run_example(_torchrun("--nproc-per-node", "2"), *STEPS, *GLOO,
+    # torchrun keeps its logs in a torchelastic_* directory of /tmp unless given one
+    uninterrupted = run_example(_torchrun("--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs")), *STEPS, *GLOO,
                                 "--out", str(tmp_path / "uninterrupted.pt"))
     assert len(losses(uninterrupted)) == 10  # printed by rank 0 only
     restarted = run_example(

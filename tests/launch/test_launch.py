@@ -258,7 +258,9 @@ def test_torchrun_script_runs_under_ddpkit_run(job, tmp_path):
 @pytest.mark.timeout(90)
 def test_a_ddpkit_script_under_torchrun_sees_the_variables_ddpkit_run_sets(job, tmp_path):
     seen = {}
-    for name, command in (("torchrun", ("-m", "torch.distributed.run")), ("ddpkit", ("-m", "ddpkit", "run"))):
+    # torchrun keeps its logs in a torchelastic_* directory of /tmp unless given one
+    torchrun = ("-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchrun-logs"))
+    for name, command in (("torchrun", torchrun), ("ddpkit", ("-m", "ddpkit", "run"))):
         out = tmp_path / name
         out.mkdir()
         code, _, err = job.run("--nproc-per-node", "2", "--max-restarts", "1", WORKER, str(out), "allreduce",
