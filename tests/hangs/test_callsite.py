@@ -1,0 +1,35 @@
+"""Where a collective was called from: the user's line and its caller, found once per code object."""
+from __future__ import annotations
+
+from ddpkit.runtime.hangs import callsite
+
+
+def _helper():  # a script's reduce_mean(): the recorder's wrapper would stand where call_site's caller is
+    return callsite.call_site(depth=1)
+
+
+def _training_loop():
+    return _helper()
+
+
+def test_the_site_is_the_first_user_frame_with_the_user_frame_that_called_it():
+    site, via = _training_loop()
+    assert site[:3] == (__file__, _helper.__code__.co_firstlineno + 1, "_helper")
+    assert site[3] == (__file__, _training_loop.__code__.co_firstlineno + 1, "_training_loop")
+    assert via is None  # no ddpkit function on the way
+    assert "in _helper(), called from " in callsite.format_site(site)
+
+
+def test_a_long_function_is_classified_once_by_the_identity_of_its_code():
+    # Python hashes a code object over all of its bytecode at every lookup: a long training loop
+    # made each collective's walk slow, so the verdict is cached under id(code), with the code kept
+    source = "def long_loop(f):\n" + "".join(f"    x{i} = {i}\n" for i in range(2000)) + "    return f()\n"
+    namespace: dict = {}
+    exec(compile(source, "/home/user/train.py", "exec"), namespace)
+    site, _ = namespace["long_loop"](lambda: callsite.call_site(depth=1))
+    code = namespace["long_loop"].__code__
+    assert site[3] == ("/home/user/train.py", 2002, "long_loop")
+    assert callsite._known[id(code)] == (code, False, None)
+    assert callsite._is_internal(code) is False
+    assert callsite._is_internal(callsite.call_site.__code__) is True
+    assert callsite._known[id(callsite.call_site.__code__)][2] == "call_site"  # ddpkit's, named
