@@ -3,12 +3,14 @@
     PYTHONPATH=. python3 tests/hangs/recorder_cost.py            # bench's models, 2 ranks, a few minutes
     PYTHONPATH=. python3 tests/hangs/recorder_cost.py --quick
 
-Two measures, because a shared 2-core machine moves step times by several percent from one round to
+Three measures, because a shared 2-core machine moves step times by several percent from one round to
 the next. (1) ddpkit's DDP on ``ddpkit bench``'s models, recorder off vs on (and off vs strict), timed in
 interleaved rounds by the bench's own ``time_interleaved``; the figure is the median of the per-round
 ratios, each stepper first putting the recorder in its own state (a few setattrs). (2) The recorder's
 own work per collective, timed around a collective that does nothing, times the collectives a step
-makes, over the step time: the cost with the noise taken out.
+makes, over the step time: the cost with the noise taken out, but hot in the caches, as a loop keeps
+it. (3) The main-thread CPU time of single steps, recorder off and on in alternation, medians: in a
+step the recorder runs cold, and on a short step (``convbn``, quick) that is what a user pays.
 """
 from __future__ import annotations
 
@@ -90,6 +92,21 @@ def _measure(model_name: str, quick: bool, repeats: int, steps: int) -> dict[str
             "per_call": _per_call_seconds()}
 
 
+def _alternate_steps(model_name: str, steps: int) -> dict[str, float]:
+    """Median main-thread CPU seconds of one step of ``model_name`` (quick), recorder off and on by turns."""
+    recorder = process_group._watch[0].recorder
+    step = make_stepper("ddpkit", model_name, True, torch.device("cpu"))
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(steps):
+        for state in ("off", "on") if i % 2 else ("on", "off"):
+            recorder.install() if state == "on" else recorder.uninstall()
+            start = time.thread_time()
+            step()
+            cpu[state].append(time.thread_time() - start)
+    recorder.install()
+    return {state: statistics.median(times[steps // 10:]) for state, times in cpu.items()}
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     repeats, steps = (6, 2) if quick else (60, 3)
@@ -100,6 +117,9 @@ def main() -> None:
               f"recorder on {r['on'] * 100:+.1f}% (CPU time {r['on_cpu'] * 100:+.1f}%), "
               f"strict {r['strict'] * 100:+.1f}% | recorder's own work {r['per_call'] * 1e6:.1f} us/collective "
               f"= {direct * 100:.3f}% of the step")
+    r = run_ranks(_alternate_steps, 2, args=("convbn", 300 if quick else 3000), timeout=900)[0]
+    print(f"convbn (quick) main-thread CPU per step: recorder off {r['off'] * 1e6:.0f} us, "
+          f"on {r['on'] * 1e6:.0f} us ({(r['on'] - r['off']) * 1e6:+.0f} us)")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ The place a user can act on is the first frame outside ddpkit, torch and the sta
 The walk is a few attribute reads per frame, with the verdict per code object cached, since it runs
 on every collective. The cache is keyed by the code object's ``id``, not the object: Python hashes a
 code object anew at each lookup, over all of its bytecode (3.11: 24 us for a 15 KB function), and a
-walk out of a backward hook passes a dozen frames, a user's long training loop among them (60 us
-per collective, measured on a DDP step; 3 us with the ``id``).
+walk out of a backward hook passes a dozen frames, a user's long training loop among them. On a
+short DDP step that halved the recorder's cost (``tests/hangs/recorder_cost.py``, third measure).
 """
 from __future__ import annotations
 
