@@ -33,3 +33,24 @@ def test_a_long_function_is_classified_once_by_the_identity_of_its_code():
     assert callsite._is_internal(code) is False
     assert callsite._is_internal(callsite.call_site.__code__) is True
     assert callsite._known[id(callsite.call_site.__code__)][2] == "call_site"  # ddpkit's, named
+
+
+def test_via_is_the_outermost_ddpkit_function_unless_ddp_issued_it():
+    import functools
+    import os
+
+    import ddpkit
+
+    package = os.path.dirname(ddpkit.__file__)
+    ours: dict = {}  # a helper of ddpkit's that a user calls (save()), and one of its DDP's
+    exec(compile("def save(call):\n    return call()\n\ndef helper(call):\n    return call()\n",
+                 os.path.join(package, "runtime", "example_helpers.py"), "exec"), ours)
+    ddp: dict = {}
+    exec(compile("def launch(call):\n    return call()\n", os.path.join(package, "ddp", "example_reducer.py"),
+                 "exec"), ddp)
+    here = functools.partial(callsite.call_site, 0)  # the walk starts in ddpkit's own call_site
+
+    site, via = ours["save"](functools.partial(ours["helper"], here))
+    assert via == "save" and site[2] == "test_via_is_the_outermost_ddpkit_function_unless_ddp_issued_it"
+    _, via = ours["save"](functools.partial(ddp["launch"], here))
+    assert via == "DDP"
