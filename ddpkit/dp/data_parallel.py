@@ -57,12 +57,13 @@ def _resolve_device_ids(device_ids: Sequence[DeviceLike] | None, *,
             f"{devices[0]}, but CUDA is not available on this machine. HINT: pass device_ids=None to "
             "call the module as it is, or name CPU devices, e.g. ['cpu', 'cpu'].")
     if not cuda and not any(d.type == "cpu" for d in devices):
-        # torch ignores device_ids when there is no GPU, so scripts written for GPUs still run; it
-        # says nothing, where a user who meant the GPUs would want to know
-        warnings.warn(f"DataParallel: device_ids={list(device_ids)!r} names {devices[0]}, but CUDA is not "
-                      "available on this machine: the module is called as it is, on one device, as torch's "
-                      "DataParallel does. HINT: name CPU devices (['cpu', 'cpu']) to split batches on the CPU.",
-                      stacklevel=3)
+        # torch ignores device_ids when there is no GPU (an empty list too), so scripts written for
+        # GPUs still run; it says nothing, where a user who named GPUs would want to know
+        if devices:
+            warnings.warn(f"DataParallel: device_ids={list(device_ids)!r} names {devices[0]}, but CUDA is not "
+                          "available on this machine: the module is called as it is, on one device, as torch's "
+                          "DataParallel does. HINT: name CPU devices (['cpu', 'cpu']) to split batches on the CPU.",
+                          stacklevel=3)
         return []
     if not devices:
         raise _empty_device_ids()

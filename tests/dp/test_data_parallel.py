@@ -299,6 +299,16 @@ def test_an_empty_device_list_is_rejected_with_torchs_types_too(monkeypatch):
         DataParallel(_mlp(), device_ids=[])
 
 
+def test_an_empty_device_list_without_cuda_calls_the_module_as_torchs_does(monkeypatch, recwarn):
+    # torch's DataParallel ignores device_ids on a machine without a GPU, an empty list too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, x = _mlp(), torch.randn(4, 5, dtype=torch.float64)
+    for device_ids in ([], ()):
+        dp = DataParallel(model, device_ids=device_ids)
+        assert dp.device_ids == [] and torch.equal(dp(x), model(x))
+    assert not [w for w in recwarn if "device_ids" in str(w.message)]
+
+
 def test_is_a_torch_data_parallel_to_code_that_unwraps_it():
     model = DataParallel(_mlp(), device_ids=["cpu"] * 2)
     assert isinstance(model, nn.DataParallel) and isinstance(model, nn.parallel.DataParallel)
