@@ -126,6 +126,9 @@ def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | N
     Strides are a parameter's (None for a buffer), with those of size-1 dimensions left out: they
     place nothing. A bucket lays each gradient out as its parameter is laid out, so a parameter
     strided otherwise on one rank (channels_last there only) would be summed with the wrong elements.
+    Names are shown, not compared: tensors are matched by position, as torch's check matches them,
+    and a rank may wrap the same model in another container (``'0.weight'`` on one, ``'inner.weight'``
+    on another), which torch's DDP trains.
     """
     def describe(entry: tuple, r: int) -> str:
         name, shape, dtype, requires_grad, _ = entry
@@ -137,9 +140,9 @@ def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | N
         return f"rank {r} has {entry[0]!r} with strides {shown}"
 
     for i, (a, b) in enumerate(zip(ref, other)):
-        if a[:4] != b[:4]:
+        if a[1:4] != b[1:4]:
             return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
-        if a != b:
+        if a[4] != b[4]:
             return (f"parameter #{i} with sizes {list(a[1])} appears not to match strides of the same param "
                     f"in process 0: {strides(a, 0)}, {strides(b, rank)} (a memory format, such as "
                     "channels_last, set on some ranks only)")

@@ -402,6 +402,8 @@ def _disagree_on_three_worker() -> dict[str, tuple | None]:
         "rank2_differs": caught(lambda: ddpkit.DDP(nn.Linear(4, 4 + (rank == 2)))),
         "two_refuse": caught(lambda: ddpkit.DDP(nn.Linear(4, 4) if rank == 0 else f"model{rank}")),
         "same": caught(lambda: ddpkit.DDP(nn.Linear(4, 4))),
+        # the same tensors under other names (another container on rank 2): torch's DDP trains it
+        "renamed": caught(lambda: ddpkit.DDP(nn.Sequential(nn.Linear(4, 4)) if rank == 2 else nn.Linear(4, 4))),
     }
     if rank in (1, 2):  # group rank 1 of [1, 2] is global rank 2
         out["subgroup"] = caught(lambda: ddpkit.DDP(nn.Linear(3 + (rank == 2), 4), process_group=sub))
@@ -424,7 +426,7 @@ def test_the_first_rank_that_differs_or_refuses_is_named_on_every_rank():
                                    "DistributedDataParallel wraps a torch.nn.Module, got str 'model1'")
         else:
             assert kind == "NotAModuleError" and f"'model{rank}'" in text, out
-        assert out["same"] is None
+        assert out["same"] is None and out["renamed"] is None
     for rank in (1, 2):
         kind, text, differing = results[rank]["subgroup"]
         assert (kind, differing) == ("RanksDisagreeError", 1), results[rank]
