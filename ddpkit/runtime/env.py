@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from ddpkit.errors import LauncherVariableError
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LAUNCHERS, DistEnv
 from ddpkit.runtime.environments.hostlist import expand_hostlist
 from ddpkit.runtime.environments.mpi import from_mpi
@@ -45,5 +46,27 @@ def launched(environ: Mapping[str, str]) -> DistEnv | None:
     for source in _SOURCES:
         env = source(environ)
         if env is not None:
-            return env
+            return _with_scheduler_layout(env, environ) if source is from_torchrun else env
     return None
+
+
+# torchrun's variables that say where a process sits among its node's
+_PLACE = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def _with_scheduler_layout(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
+    """RANK and WORLD_SIZE exported by hand in a SLURM or MPI job (``export RANK=$SLURM_PROCID``,
+    then ``srun``), without torchrun's local variables: the node layout is the scheduler's, where it
+    counts the same ranks. Derived from RANK alone, every rank would sit on one node (rank 9 of 16
+    on ``cuda:9`` of an 8-GPU node, and a share of the cores for 16)."""
+    if any(name in environ for name in _PLACE):
+        return env
+    for source in (from_slurm, from_mpi):
+        try:
+            scheduler = source(environ)
+        except LauncherVariableError:  # its variables were never needed: the job ran without them
+            continue
+        if scheduler is not None and (scheduler.rank, scheduler.world_size) == (env.rank, env.world_size):
+            return env.replace(local_rank=scheduler.local_rank, local_world_size=scheduler.local_world_size,
+                               node_rank=scheduler.node_rank)
+    return env

@@ -49,6 +49,32 @@ def test_torchrun_variables_win_over_slurm():
     assert (env.rank, env.launcher) == (3, "torchrun")
 
 
+_HAND_EXPORTED = {"RANK": "9", "WORLD_SIZE": "16", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+_SLURM_STEP = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "9", "SLURM_NTASKS": "16",
+               "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NODELIST": "n[1-2]",
+               "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
+_OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1"}
+
+
+def test_rank_exported_by_hand_under_srun_or_mpirun_keeps_the_schedulers_node_layout():
+    # export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS ...; srun python train.py: not one node of 16
+    env = detect({**_HAND_EXPORTED, **_SLURM_STEP})
+    assert (env.rank, env.local_rank, env.local_world_size, env.node_rank) == (9, 1, 8, 1)
+    assert (env.master_addr, env.master_port, env.launcher) == ("n1", 29500, "torchrun")
+    env = detect({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "a", "MASTER_PORT": "1", **_OPEN_MPI})
+    assert (env.local_rank, env.local_world_size, env.node_rank) == (1, 2, 1)
+
+
+def test_the_schedulers_layout_is_not_taken_where_it_counts_other_ranks_or_torchrun_gave_its_own():
+    # torchrun inside srun (one task per node): SLURM_PROCID is the node's task, LOCAL_RANK is set
+    assert detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_PROCID": "3"}).local_world_size == 16
+    env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"})
+    assert (env.local_rank, env.local_world_size, env.node_rank) == (1, 8, 1)
+    env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_NODELIST": "n[1-"})  # unread, as before
+    assert (env.local_rank, env.local_world_size, env.node_rank) == (9, 16, 0)
+
+
 TORCHRUN_ERRORS = [
         ({**TORCHRUN, "RANK": "8"}, r"RANK=8 is out of range for WORLD_SIZE=8: RANK must be in \[0, 8\)"),
         ({**TORCHRUN, "RANK": "-1"}, r"RANK=-1 must be >= 0"),
