@@ -1,6 +1,7 @@
 """Where am I in the job? ``detect(environ)`` reads the launcher's variables into a frozen ``DistEnv``.
 
-Sources, first match wins: torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
+Sources, first match wins (torchrun's RANK and WORLD_SIZE without a node layout take SLURM's or
+MPI's): torchrun / ``ddpkit run`` (RANK, WORLD_SIZE, ...), SLURM's ``srun``
 (SLURM_PROCID, ...), MPI launchers (Open MPI, MVAPICH, PMI/PMIx), and finally the single-process
 fallback: rank 0 of a world of one, unless a local or node rank says the process is one of several.
 ``detect`` is pure: it reads the mapping it is given and writes nothing, so every case is testable
