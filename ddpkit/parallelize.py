@@ -16,7 +16,9 @@ option that the chosen wrapper does not take but the other one does is ignored, 
 everywhere: ``bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``, ... do nothing in a
 single process, and ``devices`` and ``output_device`` do nothing under a launcher (each process has
 its one device, which is also where its output stays). An
-option neither takes is a TypeError, on every path, so a typo fails in the quick single-process run.
+option neither takes is a TypeError, on every path, so a typo fails in the quick single-process run;
+a ``devices`` that is not a list of devices (``"cpu"``, ``[]``, ``["tpu"]``) is a ValueError on every
+path too.
 """
 from __future__ import annotations
 
@@ -87,6 +89,8 @@ def local_devices(devices: Sequence[Any] | None, cuda_count: int) -> list[torch.
 
 def _distributed(module: nn.Module, options: dict[str, Any]) -> nn.Module:
     _check_options(options, "DistributedDataParallel", _DDP_OPTIONS)
+    if options.get("devices") is not None:  # unused here, but a typo fails in either run of the script
+        local_devices(options["devices"], 0)
     env = current_env()
     if env is not None and env.device is not None:
         device = env.device

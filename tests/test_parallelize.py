@@ -27,8 +27,14 @@ def _parallelize_and_step() -> dict:
     x = torch.full((3, 4), float(ddpkit.get_rank() + 1))
     model(x).square().sum().backward()
     optimizer.step()
+    refused = []  # devices is ignored under a launcher, but not a malformed one: it fails alone too
+    for devices in ("cpu", [], ["tpu"]):
+        try:
+            parallelize(nn.Linear(2, 2), devices=devices)
+        except ValueError as e:
+            refused.append(str(e))
     return {"type": type(model).__name__, "is_ddpkit": isinstance(model, ddpkit.DistributedDataParallel),
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [p.detach().clone() for p in model.parameters()], "refused": refused}
 
 
 @pytest.mark.timeout(10)
@@ -107,5 +113,7 @@ def test_devices_on_cpu_gives_data_parallel_with_the_module_output():
 def test_two_ranks_get_ddpkit_ddp_and_stay_in_sync():
     results = run_ranks(_parallelize_and_step, world_size=2)
     assert all(r["is_ddpkit"] for r in results), [r["type"] for r in results]
+    assert all(len(r["refused"]) == 3 for r in results), results[0]["refused"]
+    assert "devices='cpu' must be a non-empty list" in results[0]["refused"][0]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
