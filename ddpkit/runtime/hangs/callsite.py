@@ -67,8 +67,7 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
 
 def _first_user(frame: FrameType | None) -> FrameType | None:
     """The innermost user frame from ``frame`` outwards."""
-    known = _known
-    while frame is not None and (known.get(id(frame.f_code)) or _classify(frame.f_code))[1]:
+    while frame is not None and _is_internal(frame.f_code):
         frame = frame.f_back
     return frame
 
