@@ -99,7 +99,10 @@ def _alternate_steps(model_name: str, steps: int) -> dict[str, float]:
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     for i in range(steps):
         for state in ("off", "on") if i % 2 else ("on", "off"):
-            recorder.install() if state == "on" else recorder.uninstall()
+            if state == "on":
+                recorder.install()
+            else:
+                recorder.uninstall()
             start = time.thread_time()
             step()
             cpu[state].append(time.thread_time() - start)
