@@ -18,6 +18,7 @@ from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.errors import unused_gradient_error
 from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
+from ddpkit.runtime import direct
 from ddpkit.runtime.comm import all_gather_object, comm_device
 from ddpkit.runtime.hangs.recorder import release_finished
 
@@ -105,8 +106,8 @@ class Collectives:
             return _AllWorks(bucket.all_reduce(self.group))
         flat = bucket.flat
         if self.split_large and flat.numel() * flat.element_size() >= self.split_bytes:
-            return _AllWorks([dist.all_reduce(half, group=self.group, async_op=True) for half in flat.chunk(2)])
-        return dist.all_reduce(flat, group=self.group, async_op=True)
+            return _AllWorks([direct.all_reduce(half, self.group) for half in flat.chunk(2)])
+        return direct.all_reduce(flat, self.group)
 
     def drain(self, works: Sequence[Any]) -> None:
         """Let the collectives of an abandoned backward finish: they write into the buckets, which the
@@ -171,11 +172,11 @@ class Collectives:
         if used_map is not None:
             local = used_map()  # reduced in place: a joined rank sends the last reduced map again
             used = local.to(self.control_device)
-            work = dist.all_reduce(used, group=self.group, async_op=True)
+            work = direct.all_reduce(used, self.group)
             return local, work if used is local else _CopiedBack(work, used, local)
         if not self.status_in_bucket:
             status = torch.tensor([int(missing)], dtype=torch.int32, device=self.control_device)
-            return status, dist.all_reduce(status, group=self.group, async_op=True)
+            return status, direct.all_reduce(status, self.group)
         return None  # the status flag rides in the last bucket: set it before that bucket launched
 
     def _wait(self, works: Sequence[Any], into: Sequence[Bucket] | None) -> None:

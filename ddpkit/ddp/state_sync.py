@@ -13,6 +13,7 @@ from ddpkit.ddp.arguments import first_difference
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
 from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
 from ddpkit.errors import explain
+from ddpkit.runtime import direct
 from ddpkit.runtime.comm import broadcast_object, comm_device
 
 __all__ = ["StateSyncSupport", "broadcast_coalesced", "default_group", "overlapping_state_error",
@@ -51,7 +52,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group) -> None:
             for chunk in per_device:
                 # contiguous first: a strided 1-D tensor reshapes to itself, and its bytes cannot be viewed
                 flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for t in chunk])
-                dist.broadcast(flat, src=root, group=group)
+                direct.broadcast(flat, root, group)
                 if receiving:
                     views = torch.split(flat, [t.numel() * t.element_size() for t in chunk])
                     torch._foreach_copy_(chunk, [v.view(t.dtype).view(t.shape) for v, t in zip(views, chunk)])

@@ -197,58 +197,64 @@ class Recorder:
         tensor_at = names.index(tensor_arg) if tensor_arg else None
         root_at = names.index(root_arg) if root_arg else None
         reduce_at = names.index("op") if "op" in names else None  # the reductions: strict mode compares it
-        inside, logs = self._inside, self.logs
+        run = self.run
 
         @functools.wraps(fn)
         def collective(*args, **kwargs):
-            if getattr(inside, "depth", 0):  # torch calling one collective from another
-                return fn(*args, **kwargs)
             group = kwargs["group"] if "group" in kwargs else args[group_at] if len(args) > group_at else None
-            log = logs.get(group)
-            if log is None:
-                log = self._log_for(group)
-                if log is None:  # not a member, or not a group: torch's own checks answer
-                    return fn(*args, **kwargs)
-            log.seq += 1
             tensor = (kwargs.get(tensor_arg) if tensor_arg in kwargs else args[tensor_at]
                       if tensor_at is not None and len(args) > tensor_at else None)
             root = (kwargs.get(root_arg) if root_arg in kwargs else args[root_at]
                     if root_at is not None and len(args) > root_at else None)
-            reduction = (kwargs.get("op") if "op" in kwargs else args[reduce_at]
-                         if reduce_at is not None and len(args) > reduce_at else None)
-            site, via = call_site()
-            record = Record(log.seq, op, tensor, root, site, via,
-                            _reduction_name(reduction) if reduce_at is not None else None)
-            if log.pending:
-                log.settle(record.start)
-            log.ring.append(record)
-            if self.before is not None:
-                try:
-                    self.before(log, record)
-                except BaseException as e:
-                    record.end, record.error = time.monotonic(), type(e).__name__
-                    raise
-            inside.depth = 1
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:
-                record.error = _short_error(e)
-                record.end = time.monotonic()
-                inside.depth = 0
-                if self.failed is not None:
-                    self.failed(record, e)
-                raise
-            inside.depth = 0
+            reduction = None if reduce_at is None else _reduction_name(
+                kwargs.get("op") if "op" in kwargs else args[reduce_at] if len(args) > reduce_at else None)
             async_op = kwargs["async_op"] if "async_op" in kwargs else len(args) > async_at and args[async_at]
-            if async_op and result is not None:
-                record.work = result
-                log.pending.append(record)
-            else:
-                record.end = time.monotonic()
-            return result
+            return run(op, group, tensor, root, reduction, async_op, fn, args, kwargs)
 
         collective.__ddpkit_recorder__ = self
         return collective
+
+    def run(self, op: str, group: Any, tensor: Any, root: Any, reduction: str | None, async_op: bool,
+            fn: Callable, args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+        """Call ``fn(*args, **kwargs)``, the collective ``op`` on ``group``, as a record (the wrappers'
+        body; ddpkit's DDP calls it for the collectives it issues itself, ``ddpkit.runtime.direct``)."""
+        inside, kwargs = self._inside, kwargs or {}
+        if getattr(inside, "depth", 0):  # torch calling one collective from another
+            return fn(*args, **kwargs)
+        log = self.logs.get(group)
+        if log is None:
+            log = self._log_for(group)
+            if log is None:  # not a member, or not a group: torch's own checks answer
+                return fn(*args, **kwargs)
+        log.seq += 1
+        site, via = call_site(3)  # past this method and the wrapper
+        record = Record(log.seq, op, tensor, root, site, via, reduction)
+        if log.pending:
+            log.settle(record.start)
+        log.ring.append(record)
+        if self.before is not None:
+            try:
+                self.before(log, record)
+            except BaseException as e:
+                record.end, record.error = time.monotonic(), type(e).__name__
+                raise
+        inside.depth = 1
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            record.error = _short_error(e)
+            record.end = time.monotonic()
+            inside.depth = 0
+            if self.failed is not None:
+                self.failed(record, e)
+            raise
+        inside.depth = 0
+        if async_op and result is not None:
+            record.work = result
+            log.pending.append(record)
+        else:
+            record.end = time.monotonic()
+        return result
 
     def _log_for(self, group: Any) -> GroupLog | None:
         try:
