@@ -2,7 +2,7 @@
 
 ``dist.all_reduce`` and ``dist.broadcast`` check and convert their arguments in Python before they
 call the process group. On DDP's own calls (a dense tensor, on a group this rank is in) the checks
-have nothing to find, and inside a training step that layer cost 25-40 us a call (a world of two
+have nothing to find, and inside a training step that layer cost 20-45 us a call (a world of two
 on the CPU, conv net A/B; Note [Collectives past torch's Python] in docs/design.md). torch's DDP
 issues its collectives from C++ and pays none of it. These functions call the process group
 directly and still go through the hang recorder when it is installed. A function someone else put
