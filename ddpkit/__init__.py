@@ -29,6 +29,7 @@ from ddpkit.errors import (
     EmptyListError,
     LateGradientError,
     LauncherVariableError,
+    MixedPrecisionError,
     NotAModuleError,
     NotInitializedError,
     OutputKeysError,
@@ -75,7 +76,7 @@ __all__ = [
     "HANG_EXIT_CODE",
     # the typed errors (ddpkit.errors), each a subclass of what was raised before them
     "errors", "BatchDimError", "CheckpointSaveError", "CollectiveMismatchError", "CommHookError", "DenseGradientError",
-    "EmptyListError", "LateGradientError", "LauncherVariableError",
+    "EmptyListError", "LateGradientError", "LauncherVariableError", "MixedPrecisionError",
     "NotAModuleError", "NotInitializedError", "OutputKeysError",
     "RanksDisagreeError", "RendezvousError", "ReplicaCountError", "SecondGradientError", "StateDictMismatchError",
     "StaticGraphChangedError", "UnusedParametersError",

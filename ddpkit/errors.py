@@ -17,7 +17,7 @@ __all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradien
            "StaticGraphChangedError", "DenseGradientError", "RanksDisagreeError", "CommHookError",
            "NotInitializedError", "LauncherVariableError", "RendezvousError", "CheckpointSaveError",
            "StateDictMismatchError", "CollectiveMismatchError", "ReplicaCountError", "BatchDimError", "EmptyListError",
-           "OutputKeysError"]
+           "OutputKeysError", "MixedPrecisionError"]
 
 
 def explain(what: str, hint: str | None = None, *, who: str | None = None, rank: int | None = None) -> str:
@@ -125,6 +125,15 @@ class NotAModuleError(_Facts, TypeError, AttributeError):
     def __init__(self, message: str, *, got: str) -> None:
         super().__init__(message)
         self.got = got
+
+
+class MixedPrecisionError(_Facts, TypeError, AttributeError):
+    """``mixed_precision`` lacks a field DistributedDataParallel reads (``missing``). Also an
+    AttributeError, the type torch's DDP raises for it (``'str' object has no attribute 'param_dtype'``)."""
+
+    def __init__(self, message: str, *, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class RanksDisagreeError(_Facts, RuntimeError):

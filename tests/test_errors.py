@@ -25,6 +25,7 @@ from ddpkit.errors import (
     EmptyListError,
     LateGradientError,
     LauncherVariableError,
+    MixedPrecisionError,
     NotAModuleError,
     NotInitializedError,
     OutputKeysError,
@@ -44,7 +45,7 @@ BASES = {
     StaticGraphChangedError: (RuntimeError,), RanksDisagreeError: (RuntimeError,),
     CommHookError: (TypeError, RuntimeError), DenseGradientError: (TypeError, RuntimeError),
     NotInitializedError: (RuntimeError, ValueError),
-    NotAModuleError: (TypeError, AttributeError),
+    NotAModuleError: (TypeError, AttributeError), MixedPrecisionError: (TypeError, AttributeError),
     LauncherVariableError: (ValueError,), RendezvousError: (RuntimeError,),
     CheckpointSaveError: (RuntimeError,), StateDictMismatchError: (RuntimeError,),
     CollectiveMismatchError: (RuntimeError,),
@@ -125,7 +126,9 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
         assert type(disagree) is RanksDisagreeError, disagree
         assert (disagree.rank, disagree.differing_rank) == (rank, 1)
         assert disagree.difference == ("tensor #0 differs: rank 0 has 'body.weight' with shape [3, 4] "
-                                       "(float32), rank 1 has 'body.weight' with shape [4, 4] (float32)")
+                                       "(float32), rank 1 has 'body.weight' with shape [4, 4] (float32), so "
+                                       "tensor #0 with sizes [4, 4] appears not to match sizes of the same "
+                                       "param in process 0")
     refused = ranks[0]["refused"]
     assert type(refused) is RanksDisagreeError and (refused.rank, refused.differing_rank) == (0, 1)
     assert refused.difference == ("NotAModuleError: DistributedDataParallel wraps a torch.nn.Module, got str "
@@ -150,7 +153,8 @@ def test_real_failures_on_two_ranks_carry_their_facts(tmp_path):
         "DDP expects same model across all ranks: DistributedDataParallel needs the same parameters and "
         "buffers on every rank, but tensor #0 differs: "
         "rank 0 has 'body.weight' with shape [3, 4] (float32), rank 1 has 'body.weight' with shape [4, 4] "
-        "(float32) (this is rank 0). HINT: build the model identically on every rank (same arguments, same "
+        "(float32), so tensor #0 with sizes [4, 4] appears not to match sizes of the same param in process 0 "
+        "(this is rank 0). HINT: build the model identically on every rank (same arguments, same "
         "code path) before wrapping it.")
     assert str(refused) == ("DistributedDataParallel could not be built on rank 1: NotAModuleError: "
                             "DistributedDataParallel wraps a torch.nn.Module, got str 'model'. HINT: wrap the "

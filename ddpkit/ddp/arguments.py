@@ -141,7 +141,9 @@ def first_difference(ref: list[tuple], other: list[tuple], rank: int) -> str | N
 
     for i, (a, b) in enumerate(zip(ref, other)):
         if a[1:4] != b[1:4]:
-            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}"
+            sizes = "" if a[1] == b[1] else (  # torch's words for it, which scripts may look for
+                f", so tensor #{i} with sizes {list(b[1])} appears not to match sizes of the same param in process 0")
+            return f"tensor #{i} differs: {describe(a, 0)}, {describe(b, rank)}{sizes}"
         if a[4] != b[4]:
             return (f"parameter #{i} with sizes {list(a[1])} appears not to match strides of the same param "
                     f"in process 0: {strides(a, 0)}, {strides(b, rank)} (a memory format, such as "

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_map_only
 
-from ddpkit.errors import CommHookError, explain
+from ddpkit.errors import CommHookError, MixedPrecisionError, explain
 
 __all__ = ["MixedPrecision", "allreduce_in_dtype_hook", "resolve_mixed_precision"]
 
@@ -59,10 +59,11 @@ def resolve_mixed_precision(config: Any, rank: int = 0) -> MixedPrecision | None
         return None
     missing = [f for f in _FIELDS if not hasattr(config, f)]
     if missing:
-        raise TypeError(explain(
-            f"mixed_precision={config!r} lacks {', '.join(missing)} (a {type(config).__name__}).",
-            "pass torch.nn.parallel.distributed._MixedPrecision(param_dtype=..., reduce_dtype=..., "
-            "buffer_dtype=...), or an object with those three fields.", who=_WHO, rank=rank))
+        raise MixedPrecisionError(explain(  # torch's words first: it reads the fields, and fails so
+            f"{type(config).__name__!r} object has no attribute {missing[0]!r}: mixed_precision={config!r} "
+            f"lacks {', '.join(missing)}.", "pass torch.nn.parallel.distributed._MixedPrecision(param_dtype=..., "
+            "reduce_dtype=..., buffer_dtype=...), or an object with those three fields.", who=_WHO, rank=rank),
+            missing=missing)
     for field in _FIELDS:
         value = getattr(config, field)
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):

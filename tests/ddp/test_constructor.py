@@ -418,7 +418,8 @@ def test_the_first_rank_that_differs_or_refuses_is_named_on_every_rank():
         kind, text, differing = out["rank2_differs"]
         assert (kind, differing) == ("RanksDisagreeError", 2), out
         assert ("tensor #0 differs: rank 0 has 'weight' with shape [4, 4] (float32), rank 2 has 'weight' "
-                f"with shape [5, 4] (float32) (this is rank {rank})") in text
+                "with shape [5, 4] (float32), so tensor #0 with sizes [5, 4] appears not to match sizes of the "
+                f"same param in process 0 (this is rank {rank})") in text
         kind, text, differing = out["two_refuse"]
         if rank == 0:  # ranks 1 and 2 refused their own arguments: the first of them is named
             assert (kind, differing) == ("RanksDisagreeError", 1), out

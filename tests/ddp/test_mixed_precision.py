@@ -162,8 +162,12 @@ def test_a_wrapped_data_parallel_runs_in_the_param_dtype_as_its_module_does():
 
 
 def test_a_config_without_the_three_fields_is_refused_by_name():
-    with pytest.raises(TypeError, match=r"mixed_precision=.* lacks reduce_dtype, buffer_dtype .* HINT: "):
+    with pytest.raises(ddpkit.MixedPrecisionError, match=r"mixed_precision=.* lacks reduce_dtype, buffer_dtype.*HINT:"):
         ddpkit.DDP(nn.Linear(2, 2), mixed_precision=SimpleNamespace(param_dtype=FP16))
+    # torch's DDP reads the fields and raises an AttributeError in these words; so does ddpkit's
+    with pytest.raises(AttributeError, match="'str' object has no attribute 'param_dtype'") as caught:
+        ddpkit.DDP(nn.Linear(2, 2), mixed_precision="bf16")
+    assert caught.value.missing == ["param_dtype", "reduce_dtype", "buffer_dtype"]
     with pytest.raises(TypeError, match=r"mixed_precision.param_dtype=torch.int32 is not a floating-point"):
         ddpkit.DDP(nn.Linear(2, 2), mixed_precision=_MixedPrecision(param_dtype=torch.int32))
 
