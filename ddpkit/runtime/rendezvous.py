@@ -54,8 +54,8 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
     agent_hosts_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosting = env.rank == 0 and not agent_hosts_store
     me = JobRecord.here(job_id(environ, env.launcher), env.world_size, f"rank {env.rank}")
-    store = _host(env, address, environ) if hosting else _connect(env, address, timeout, deadline,
-                                                                   agent_hosts_store)
+    store = _host(env, address, environ, deadline) if hosting else _connect(env, address, timeout, deadline,
+                                                                             agent_hosts_store)
     if hosting:
         claim(store, me)
     else:
@@ -85,11 +85,28 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
     return group
 
 
-def _host(env: DistEnv, address: str, environ: Mapping[str, str]) -> dist.Store:
-    """Rank 0 opens the store; a port already taken is reported now, not after the timeout."""
+def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: float) -> dist.Store:
+    """Rank 0 opens the store; a port already taken is reported now, not after the timeout.
+
+    The store listens on every address of this host; only rank 0's own connection to it uses
+    MASTER_ADDR. Where that names no address of this host (a typo, another node, a NAT's public
+    address) the connection would hang for torch's 5 minutes, past ``init(timeout=...)``: it goes
+    over loopback instead, and the others' arrival, within the deadline, tells whether they found it.
+    """
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=True,
-                             wait_for_workers=False)
+        own = env.master_addr if _names_this_host(env.master_addr) else "127.0.0.1"
+    except OSError as e:
+        raise RendezvousError(explain(
+            f"rank 0 cannot host the rendezvous at {address}: MASTER_ADDR={env.master_addr} does not resolve "
+            f"here ({e}).", "set MASTER_ADDR to this host's name or address: the other ranks connect to it."),
+            address=address, timeout=None) from e
+    if own != env.master_addr:
+        _tell(f"{rank_prefix(env.rank)}ddpkit: MASTER_ADDR={env.master_addr} is not an address of this host "
+              f"({socket.gethostname()}), where rank 0 hosts the rendezvous; the other ranks look for it there. "
+              "If they cannot reach it, init() fails when its timeout runs out: set MASTER_ADDR to this host.")
+    try:
+        return dist.TCPStore(own, env.master_port, env.world_size, is_master=True, wait_for_workers=False,
+                             timeout=_left(deadline))
     except (RuntimeError, OSError) as e:
         in_use = "EADDRINUSE" in str(e) or "already in use" in str(e)
         if not in_use:
@@ -171,6 +188,18 @@ def _missing(group: dist.Store, world_size: int) -> str:
         return ""
     missing = [r for r in range(world_size) if not group.check([f"rank/{r}"])]
     return f", missing: {rank_list(missing)}" if missing else ""
+
+
+def _names_this_host(host: str) -> bool:
+    """Whether ``host`` resolves to an address this host can bind (OSError: it does not resolve)."""
+    for family, _, _, _, sockaddr in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def _tell(line: str) -> None:

@@ -1,6 +1,7 @@
 """init()/shutdown(): a world of one without network, real worlds of 2-4, and failed rendezvous."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -200,6 +201,29 @@ def test_unreachable_rendezvous_names_the_address():
     assert "MASTER_ADDR=127.0.0.1" in result.stdout
     assert f"RendezvousError at 127.0.0.1:{port} after 2.0 s" in result.stdout
     assert _gave_up_after(result.stdout) < 3.5  # the 2 s asked for, not torch's connect backoff (~4.5 s)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("address", ["nohost.invalid", "198.51.100.7"])  # no name; a documentation address
+def test_rank_0_with_a_master_addr_not_of_this_host_keeps_its_deadline(address):
+    # torch's own connection to MASTER_ADDR retried for 5 minutes past init(timeout=...)
+    with socket.socket() as probe, contextlib.suppress(OSError):
+        probe.bind((address, 0))  # fails unless it is an address of this host
+        pytest.skip(f"{address} is an address of this host")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**rank_env(0, 2, port, agent_store=False), "MASTER_ADDR": address}
+    result = _run_python(INIT_WITH_SHORT_TIMEOUT, env)
+    assert result.returncode == 3, result.stderr
+    assert _gave_up_after(result.stdout) < 3.5
+    if address == "nohost.invalid":  # at once, naming the variable
+        assert f"rank 0 cannot host the rendezvous at {address}:{port}: MASTER_ADDR={address} does not " \
+               "resolve here" in result.stdout
+        assert _gave_up_after(result.stdout) < 1.5
+    else:  # the others may still reach it (a NAT's address): rank 0 says so, and waits for them
+        assert f"MASTER_ADDR={address} is not an address of this host" in result.stderr
+        assert "timed out after 2 s: only 1 of WORLD_SIZE=2 ranks joined, missing: rank 1" in result.stdout
 
 
 @pytest.mark.timeout(60)
