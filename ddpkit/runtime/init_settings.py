@@ -63,7 +63,8 @@ def check_same_backend(backend: str | None) -> None:
     current = str(dist.get_backend()).lower()
     if backend.lower() not in current.replace(":", ",").split(","):
         raise ValueError(explain(
-            f"ddpkit.init(backend={backend!r}) but this process already joined with backend {current!r}.",
+            f"ddpkit.init(backend={backend!r}) but this process's group, made by an earlier init(), uses "
+            f"backend {current!r} (a world of one too gets a Gloo group, over an in-process store).",
             "call ddpkit.shutdown() first to change the backend."))
 
 
