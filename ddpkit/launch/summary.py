@@ -59,7 +59,24 @@ def traceback_tail(lines: list[str]) -> list[str]:
     first = len(starts) - 1
     while first > 0 and _chained(lines[starts[first - 1]:starts[first]]):
         first -= 1
-    return lines[starts[first]:][-_MAX_TAIL:]
+    return lines[_hang_report_before(lines, starts[first]):][-_MAX_TAIL:]
+
+
+def _hang_report_before(lines: list[str], start: int) -> int:
+    """Where the hang report printed just before the traceback at ``start`` begins, else ``start``:
+    a collective that failed because a peer went away prints the report, then raises, and the
+    report is what says why (which rank left, and where)."""
+    end = start - 1
+    while end >= 0 and not lines[end].strip():
+        end -= 1
+    if end < 1 or lines[end] != _RULE:
+        return start
+    for i in range(end - 1, 0, -1):
+        if lines[i].startswith("ddpkit hang report ("):
+            return i - 1 if lines[i - 1] == _RULE else start
+        if lines[i] == _RULE:  # another ruled block
+            return start
+    return start
 
 
 def _chained(group: list[str]) -> bool:

@@ -174,6 +174,19 @@ def test_the_summary_shows_the_last_traceback():
     assert traceback_tail(["a", "b"]) == ["a", "b"]
 
 
+def test_the_summary_keeps_the_hang_report_printed_just_before_the_traceback():
+    # a collective that failed because a peer left: the report says which rank left, then it raises
+    rule = "=" * 78
+    report = [rule, "ddpkit hang report (stall_timeout=5 s, collected by rank 0). Where each rank is:",
+              "  rank 1 has exited without ddpkit.shutdown()", "Verdict:", "  ...", rule]
+    error = ["Traceback (most recent call last):", '  File "t.py"', "RuntimeError: Connection closed by peer"]
+    assert traceback_tail(["noise", *report, *error]) == [*report, *error]
+    assert traceback_tail(["noise", *report, "", *error]) == [*report, "", *error]
+    # a report followed by other output is an earlier one: not the cause
+    assert traceback_tail([*report, "step 5", *error]) == error
+    assert traceback_tail(["noise", rule, "other block", rule, *error]) == error
+
+
 def test_the_summary_shows_a_chained_exception_from_its_root_cause():
     lines = ["noise", "Traceback (most recent call last):", "  old", "E: unrelated", "",
              "Traceback (most recent call last):", '  File "t.py"', "KeyError: 'k'", "",
