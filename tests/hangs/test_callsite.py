@@ -54,3 +54,22 @@ def test_via_is_the_outermost_ddpkit_function_unless_ddp_issued_it():
     assert via == "save" and site[2] == "test_via_is_the_outermost_ddpkit_function_unless_ddp_issued_it"
     _, via = ours["save"](functools.partial(ddp["launch"], here))
     assert via == "DDP"
+
+
+def test_sync_batchnorm_is_named_as_the_issuer_also_inside_ddps_forward():
+    import functools
+    import os
+
+    import ddpkit
+
+    package = os.path.join(os.path.dirname(ddpkit.__file__), "ddp")
+    code: dict = {}  # a layer of ddpkit's SyncBatchNorm, and DDP's forward that calls the module
+    exec(compile("def forward(call):\n    return call()\n", os.path.join(package, "sync_batchnorm.py"), "exec"), code)
+    sbn = code["forward"]
+    exec(compile("def forward(call):\n    return call()\n", os.path.join(package, "distributed.py"), "exec"), code)
+    ddp = code["forward"]
+    here = functools.partial(callsite.call_site, 0)
+
+    assert sbn(here)[1] == "SyncBatchNorm"  # a SyncBatchNorm used without DDP: not "issued by DDP"
+    assert ddp(functools.partial(sbn, here))[1] == "SyncBatchNorm"  # the innermost issuer
+    assert sbn(functools.partial(ddp, here))[1] == "DDP"

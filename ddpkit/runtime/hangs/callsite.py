@@ -28,7 +28,9 @@ _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ddpkit, torch))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 # id(code) -> (code, internal, via): the entry holds its code object, so that no other one takes its
-# id; via: "DDP" for ddpkit's DDP, the function's name elsewhere in ddpkit, else None
+# id; via: "DDP" for ddpkit's DDP, "SyncBatchNorm" for its layer, the function's name elsewhere in
+# ddpkit, else None
+_ISSUERS = ("DDP", "SyncBatchNorm")  # the innermost of these on the way issued the collective
 _known: dict[int, tuple[CodeType, bool, str | None]] = {}
 
 
@@ -38,7 +40,8 @@ def _classify(code: CodeType) -> tuple[CodeType, bool, str | None]:
         internal = True
     else:
         internal = name.startswith(_STDLIB) and not any(part in name for part in _THIRD_PARTY)
-    via = "DDP" if name.startswith(_DDP) else code.co_name if name.startswith(_OURS[0]) else None
+    via = (("SyncBatchNorm" if os.path.basename(name).startswith("sync_batchnorm") else "DDP")
+           if name.startswith(_DDP) else code.co_name if name.startswith(_OURS[0]) else None)
     entry = _known[id(code)] = (code, internal, via)
     return entry
 
@@ -50,7 +53,8 @@ def _is_internal(code: CodeType) -> bool:
 def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
     """The caller's user frame as a ``Site``, with the user frame that called it, and which of
     ddpkit's functions the user called on the way: ``"DDP"`` when ddpkit's DDP issued it (in
-    backward), else e.g. ``"save"``, or None. The second frame tells apart two calls of one helper
+    backward), ``"SyncBatchNorm"`` when that layer did (also inside a DDP's forward), else e.g.
+    ``"save"``, or None. The second frame tells apart two calls of one helper
     (``reduce_mean()`` called from two lines), which a report shows as two places."""
     frame: FrameType | None = sys._getframe(depth)
     via = None
@@ -59,7 +63,7 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
         entry = known.get(id(frame.f_code)) or _classify(frame.f_code)
         if not entry[1]:
             return _with_caller(frame), via
-        if via != "DDP" and entry[2] is not None:
+        if via not in _ISSUERS and entry[2] is not None:
             via = entry[2]
         frame = frame.f_back
     return None, via

@@ -40,8 +40,8 @@ def _op(item: dict[str, Any]) -> str:
 def _call(item: dict[str, Any]) -> str:
     """``all_reduce #5 float32[10] at train.py:8 in step()`` (and DDP's, and a failure)."""
     text = f"{_op(item)} {item['what']}".rstrip() + f" at {item['site']}"
-    if item.get("via") == "DDP":
-        text += " (issued by DDP)"
+    if item.get("via") in ("DDP", "SyncBatchNorm"):
+        text += f" (issued by {item['via']})"
     elif item.get("via"):
         text += f" (in ddpkit's {item['via']}())"
     if item.get("error"):
