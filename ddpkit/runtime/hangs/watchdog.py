@@ -2,7 +2,8 @@
 
 Every tick it marks finished async collectives, answers any inquiry another rank opened, and opens
 one itself when its oldest outstanding collective is older than ``stall_timeout`` (again only after
-another ``stall_timeout``). A report is printed when the picture changes; a certain deadlock prints it
+another ``stall_timeout``). A report is printed when the picture changes, unless this rank got on
+while the answers came in (the slow rank arrived: the picture is past); a certain deadlock prints it
 and ends the process with ``HANG_EXIT_CODE``, since the main thread is stuck where it cannot be reached.
 A collective that raised (a peer went away) asks at once (``inquire_now``): the report is printed and
 the error is raised as under torch, for the script to catch, with its ``finally:`` blocks and exit
@@ -113,6 +114,7 @@ class Watchdog(threading.Thread):
 
     def _take_part(self, n: int) -> None:
         self._answered, self._last_inquiry = n, time.monotonic()
+        answered_at = self._progress()
         leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread, self.where))
         report = None if leads else self.inquiry.wait_report(n, ANSWER_SECONDS + 3)
         if report is None:
@@ -124,7 +126,15 @@ class Watchdog(threading.Thread):
                 self.inquiry.publish_report(n, report)
         if not leads:
             self.inquiry.mark_read(n)
-        self._show(n, report)
+        if report["certain"] or self._progress() == answered_at:
+            self._show(n, report)
+        # else this rank got on while the answers came in (a slow rank arrived): the picture is past
+
+    def _progress(self) -> tuple[tuple[int, ...], Any]:
+        """What changes when this rank gets on: each group's count of collectives, and the oldest
+        one still outstanding."""
+        self.recorder.poll_works()
+        return tuple(log.seq for log in self.recorder.groups()), self.recorder.oldest_outstanding()
 
     def _show(self, n: int, report: dict[str, Any]) -> None:
         if report["picture"] != self._last_picture or report["certain"]:
