@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ddpkit  # before torch: it imports torch without the warning a missing numpy would print
+import ddpkit
 from ddpkit.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
