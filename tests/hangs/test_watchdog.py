@@ -3,8 +3,13 @@ the answers come in makes the report describe a past that no longer holds."""
 from __future__ import annotations
 
 from ddpkit.runtime.hangs import watchdog as watchdog_module
-from ddpkit.runtime.hangs.recorder import GroupLog, Recorder
+from ddpkit.runtime.hangs.recorder import GroupLog, Record, Recorder
 from ddpkit.runtime.hangs.watchdog import Watchdog
+
+
+class _NeverDone:
+    def is_completed(self):
+        return False
 
 
 class _LeadingInquiry:
@@ -27,9 +32,14 @@ class _LeadingInquiry:
         pass
 
 
-def _run_inquiry(monkeypatch, capsys, arrive, certain=False) -> str:
+def _run_inquiry(monkeypatch, capsys, arrive, certain=False, waiting=False) -> str:
     recorder = Recorder()
     log = recorder.logs[None] = GroupLog("0", [0, 1], True)
+    if waiting:  # this rank waits in a collective: an async one whose Work never completes
+        stuck = Record(1, "all_reduce", None, None, None, None)
+        stuck.work = _NeverDone()
+        log.ring.append(stuck)
+        log.pending.append(stuck)
     monkeypatch.setattr(watchdog_module, "build_report", lambda *a, **k: {
         "text": "REPORT", "certain": certain, "picture": "slow rank 1", "readers": 0})
     monkeypatch.setattr(Watchdog, "_end_in_deadlock", lambda self: None)
@@ -48,3 +58,14 @@ def test_a_report_this_rank_outran_is_not_printed(monkeypatch, capsys):
     assert "REPORT" not in _run_inquiry(monkeypatch, capsys, arrive=next_collective)
     # a certain deadlock is not a picture that passes: it is printed whatever happened meanwhile
     assert "REPORT" in _run_inquiry(monkeypatch, capsys, arrive=next_collective, certain=True)
+
+
+def test_a_rank_still_waiting_in_a_collective_has_not_got_on_whatever_else_it_calls(monkeypatch, capsys):
+    def finish(log):  # the collective this rank waited in ended
+        log.ring[0].end = 1.0
+
+    def elsewhere(log):  # another thread or group goes on calling collectives; the stuck one stays
+        log.seq += 5
+
+    assert "REPORT" not in _run_inquiry(monkeypatch, capsys, arrive=finish, waiting=True)
+    assert "REPORT" in _run_inquiry(monkeypatch, capsys, arrive=elsewhere, waiting=True)

@@ -126,15 +126,21 @@ class Watchdog(threading.Thread):
                 self.inquiry.publish_report(n, report)
         if not leads:
             self.inquiry.mark_read(n)
-        if report["certain"] or self._progress() == answered_at:
+        if report["certain"] or not self._got_on(*answered_at):
             self._show(n, report)
         # else this rank got on while the answers came in (a slow rank arrived): the picture is past
 
-    def _progress(self) -> tuple[tuple[int, ...], Any]:
-        """What changes when this rank gets on: each group's count of collectives, and the oldest
-        one still outstanding."""
+    def _progress(self) -> tuple[Any, tuple[int, ...]]:
+        """This rank's oldest outstanding collective, and each group's count of collectives."""
         self.recorder.poll_works()
-        return tuple(log.seq for log in self.recorder.groups()), self.recorder.oldest_outstanding()
+        return self.recorder.oldest_outstanding(), tuple(log.seq for log in self.recorder.groups())
+
+    def _got_on(self, waited: Any, counts: tuple[int, ...]) -> bool:
+        """Since ``_progress()`` gave (``waited``, ``counts``): the collective this rank waited in has
+        ended, or, where it waited in none (busy), it has called one. Another group's progress while
+        that collective stays stuck is not this rank getting on."""
+        now_counts = self._progress()[1]
+        return waited.end is not None if waited is not None else now_counts != counts
 
     def _show(self, n: int, report: dict[str, Any]) -> None:
         if report["picture"] != self._last_picture or report["certain"]:
