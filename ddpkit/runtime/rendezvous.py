@@ -90,20 +90,19 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
 
     The store listens on every address of this host; only rank 0's own connection to it uses
     MASTER_ADDR. Where that names no address of this host (a typo, another node, a NAT's public
-    address) the connection would hang for torch's 5 minutes, past ``init(timeout=...)``: it goes
-    over loopback instead, and the others' arrival, within the deadline, tells whether they found it.
+    address, a name not resolvable yet) the connection would hang for torch's 5 minutes, past
+    ``init(timeout=...)``: it goes over loopback instead, with a notice, and the others' arrival
+    within the deadline tells whether they found it.
     """
     try:
         own = env.master_addr if _names_this_host(env.master_addr) else "127.0.0.1"
-    except OSError as e:
-        raise RendezvousError(explain(
-            f"rank 0 cannot host the rendezvous at {address}: MASTER_ADDR={env.master_addr} does not resolve "
-            f"here ({e}).", "set MASTER_ADDR to this host's name or address: the other ranks connect to it."),
-            address=address, timeout=None) from e
+        why = "is not an address of this host"
+    except OSError as e:  # perhaps not yet: a pod's own DNS name comes a few seconds after it starts
+        own, why = "127.0.0.1", f"does not resolve here ({e})"
     if own != env.master_addr:
-        _tell(f"{rank_prefix(env.rank)}ddpkit: MASTER_ADDR={env.master_addr} is not an address of this host "
-              f"({socket.gethostname()}), where rank 0 hosts the rendezvous; the other ranks look for it there. "
-              "If they cannot reach it, init() fails when its timeout runs out: set MASTER_ADDR to this host.")
+        _tell(f"{rank_prefix(env.rank)}ddpkit: MASTER_ADDR={env.master_addr} {why} ({socket.gethostname()}), "
+              "where rank 0 hosts the rendezvous; the other ranks look for it there. If they cannot reach "
+              "it, init() fails when its timeout runs out: set MASTER_ADDR to this host.")
     try:
         return dist.TCPStore(own, env.master_port, env.world_size, is_master=True, wait_for_workers=False,
                              timeout=_left(deadline))
@@ -191,7 +190,7 @@ def _missing(group: dist.Store, world_size: int) -> str:
 
 
 def _names_this_host(host: str) -> bool:
-    """Whether ``host`` resolves to an address this host can bind (OSError: it does not resolve)."""
+    """Whether ``host`` resolves to an address this host can bind (OSError: it does not resolve, yet)."""
     for family, _, _, _, sockaddr in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
