@@ -11,6 +11,7 @@ call then goes through it, as before.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -20,9 +21,18 @@ from torch.overrides import has_torch_function
 
 __all__ = ["all_reduce", "broadcast"]
 
+
+def _torchs(fn: Callable) -> Callable | None:
+    """``fn`` if torch.distributed defined it (torch decorates its collectives in ``c10d_logger.py``),
+    else None: a wrapper put in its place before ddpkit was imported is never skipped."""
+    code = getattr(fn, "__code__", None)
+    return fn if code is not None and code.co_filename.startswith(_TORCH_DISTRIBUTED) else None
+
+
+_TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
 # torch's own functions, as ddpkit found them on import (before ddpkit.init() wraps them)
-_TORCH_ALL_REDUCE = c10d.all_reduce
-_TORCH_BROADCAST = c10d.broadcast
+_TORCH_ALL_REDUCE = _torchs(c10d.all_reduce)
+_TORCH_BROADCAST = _torchs(c10d.broadcast)
 _SUM = dist.AllreduceOptions()
 _SUM.reduceOp = dist.ReduceOp.SUM
 
@@ -46,7 +56,7 @@ def _all_reduce(tensor: torch.Tensor, group: Any) -> Any:
 def all_reduce(tensor: torch.Tensor, group: Any = None) -> Any:
     """``dist.all_reduce(tensor, group=group, async_op=True)``, a sum; returns its Work."""
     fn = dist.all_reduce
-    if not has_torch_function((tensor,)):
+    if _TORCH_ALL_REDUCE is not None and not has_torch_function((tensor,)):
         if fn is _TORCH_ALL_REDUCE:
             return _all_reduce(tensor, group)
         recorder = _recorder_of(fn, _TORCH_ALL_REDUCE)
@@ -73,7 +83,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """``dist.broadcast(tensor, src=src, group=group)``: from global rank ``src``, waited for (DDP
     sends bytes; torch's conversion of float8 for GPUs older than sm90 is not done here)."""
     fn = dist.broadcast
-    if not has_torch_function((tensor,)):
+    if _TORCH_BROADCAST is not None and not has_torch_function((tensor,)):
         if fn is _TORCH_BROADCAST:
             return _broadcast(tensor, src, group)
         recorder = _recorder_of(fn, _TORCH_BROADCAST)

@@ -106,3 +106,31 @@ def test_a_function_put_in_place_of_torchs_collectives_sees_ddps():
         # one bucket all-reduced per backward; the buffers broadcast before every forward, and the
         # buckets' new order at the second
         assert counts == {"all_reduce": 3, "broadcast": 4}, counts
+
+
+PATCHED_BEFORE_IMPORT = """
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+calls = []
+real = c10d.all_reduce
+
+def wrapper(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+dist.all_reduce = c10d.all_reduce = wrapper  # as a profiler would, before ddpkit is imported
+from ddpkit.runtime import direct
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+direct.all_reduce(torch.ones(2), dist.group.WORLD).wait()
+print("calls", len(calls))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_function_put_in_place_before_ddpkit_was_imported_is_not_skipped():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", PATCHED_BEFORE_IMPORT], capture_output=True, text=True,
+                            timeout=50)
+    assert "calls 1" in result.stdout, result.stdout + result.stderr
