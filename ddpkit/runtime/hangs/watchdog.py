@@ -133,14 +133,19 @@ class Watchdog(threading.Thread):
     def _progress(self) -> tuple[Any, tuple[int, ...]]:
         """This rank's oldest outstanding collective, and each group's count of collectives."""
         self.recorder.poll_works()
-        return self.recorder.oldest_outstanding(), tuple(log.seq for log in self.recorder.groups())
+        return self.recorder.oldest_outstanding(), self._counts()
+
+    def _counts(self) -> tuple[int, ...]:
+        return tuple(log.seq for log in self.recorder.groups())
 
     def _got_on(self, waited: Any, counts: tuple[int, ...]) -> bool:
         """Since ``_progress()`` gave (``waited``, ``counts``): the collective this rank waited in has
         ended, or, where it waited in none (busy), it has called one. Another group's progress while
         that collective stays stuck is not this rank getting on."""
-        now_counts = self._progress()[1]
-        return waited.end is not None if waited is not None else now_counts != counts
+        if waited is None:
+            return self._counts() != counts
+        self.recorder.poll_works()  # an async collective's end is marked here
+        return waited.end is not None
 
     def _show(self, n: int, report: dict[str, Any]) -> None:
         if report["picture"] != self._last_picture or report["certain"]:
