@@ -10,6 +10,8 @@ import signal
 import socket
 
 from ddpkit.launch.workers import Worker
+from ddpkit.runtime.hangs.report import HEADER as REPORT_HEADER
+from ddpkit.runtime.hangs.report import RULE as REPORT_RULE
 from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
 
 __all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
@@ -69,12 +71,12 @@ def _hang_report_before(lines: list[str], start: int) -> int:
     end = start - 1
     while end >= 0 and not lines[end].strip():
         end -= 1
-    if end < 1 or lines[end] != _RULE:
+    if end < 1 or lines[end] != REPORT_RULE:
         return start
     for i in range(end - 1, 0, -1):
-        if lines[i].startswith("ddpkit hang report ("):
-            return i - 1 if lines[i - 1] == _RULE else start
-        if lines[i] == _RULE:  # another ruled block
+        if lines[i].startswith(REPORT_HEADER):
+            return i - 1 if lines[i - 1] == REPORT_RULE else start
+        if lines[i] == REPORT_RULE:  # another ruled block
             return start
     return start
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["build_report", "rank_list", "Report"]
+__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER"]
 
 Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
-_RULE = "=" * 78
+RULE = "=" * 78
+"""The line above and below a report (the launcher's summary finds a report by it and ``HEADER``)."""
+HEADER = "ddpkit hang report ("
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -254,8 +256,8 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
                  "script catches it.")
     else:
         after = "slow is not wrong: the job goes on; another report follows if this changes."
-    text = "\n".join([_RULE, f"ddpkit hang report (stall_timeout={stall_timeout:g} s, collected by rank "
+    text = "\n".join([RULE, f"{HEADER}stall_timeout={stall_timeout:g} s, collected by rank "
                       f"{seen_by}). Where each rank is:", *lines, "Verdict:",
                       *(f"  {s}" for s in sentences), f"What next: {after}",
-                      "(DDPKIT_STALL_TIMEOUT sets the delay, 0 turns this off)", _RULE])
+                      "(DDPKIT_STALL_TIMEOUT sets the delay, 0 turns this off)", RULE])
     return {"text": text, "certain": certain, "picture": picture, "peer_gone": peer_gone}
