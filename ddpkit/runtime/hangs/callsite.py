@@ -18,6 +18,7 @@ from types import CodeType, FrameType
 import torch
 
 import ddpkit
+from ddpkit.runtime.hangs.report import ISSUERS
 
 __all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site"]
 
@@ -30,7 +31,6 @@ _THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os
 # id(code) -> (code, internal, via): the entry holds its code object, so that no other one takes its
 # id; via: "DDP" for ddpkit's DDP, "SyncBatchNorm" for its layer, the function's name elsewhere in
 # ddpkit, else None
-_ISSUERS = ("DDP", "SyncBatchNorm")  # the innermost of these on the way issued the collective
 _known: dict[int, tuple[CodeType, bool, str | None]] = {}
 
 
@@ -63,7 +63,7 @@ def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
         entry = known.get(id(frame.f_code)) or _classify(frame.f_code)
         if not entry[1]:
             return _with_caller(frame), via
-        if via not in _ISSUERS and entry[2] is not None:
+        if via not in ISSUERS and entry[2] is not None:
             via = entry[2]
         frame = frame.f_back
     return None, via

@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER"]
+__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "ISSUERS"]
 
 Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
 RULE = "=" * 78
 """The line above and below a report (the launcher's summary finds a report by it and ``HEADER``)."""
 HEADER = "ddpkit hang report ("
+ISSUERS = ("DDP", "SyncBatchNorm")
+"""The parts of ddpkit a collective is said to be issued by (``via``); the innermost one on the way wins."""
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -42,7 +44,7 @@ def _op(item: dict[str, Any]) -> str:
 def _call(item: dict[str, Any]) -> str:
     """``all_reduce #5 float32[10] at train.py:8 in step()`` (and DDP's, and a failure)."""
     text = f"{_op(item)} {item['what']}".rstrip() + f" at {item['site']}"
-    if item.get("via") in ("DDP", "SyncBatchNorm"):
+    if item.get("via") in ISSUERS:
         text += f" (issued by {item['via']})"
     elif item.get("via"):
         text += f" (in ddpkit's {item['via']}())"
