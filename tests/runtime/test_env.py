@@ -38,9 +38,16 @@ def test_node_rank_derived_when_group_rank_missing():
     assert detect(environ).node_rank == 1
 
 
-def test_world_of_one_needs_no_master_address():
-    env = detect({"RANK": "0", "WORLD_SIZE": "1"})
-    assert (env.world_size, env.master_addr, env.launcher) == (1, None, "torchrun")
+def test_world_of_one_needs_a_master_address_as_torchs_env_rendezvous_does():
+    # torch's init_process_group: "environment variable MASTER_ADDR expected, but not set"
+    with pytest.raises(LauncherVariableError, match=r"^RANK=0 and WORLD_SIZE=1 are set but MASTER_ADDR is not.*"
+                       r"HINT: unset RANK and WORLD_SIZE to run one process") as caught:
+        detect({"RANK": "0", "WORLD_SIZE": "1"})
+    assert isinstance(caught.value, ValueError) and caught.value.variable == "MASTER_ADDR"
+    with pytest.raises(LauncherVariableError, match=r"^MASTER_ADDR=127.0.0.1 is set but MASTER_PORT is not"):
+        detect({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+    env = detect({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
+    assert (env.world_size, env.master_addr, env.master_port, env.launcher) == (1, "127.0.0.1", 29400, "torchrun")
 
 
 def test_torchrun_variables_win_over_slurm():

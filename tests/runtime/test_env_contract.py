@@ -155,6 +155,8 @@ def test_detect_reads_os_environ_when_given_nothing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29400")
     assert detect().launcher == "torchrun"
 
 

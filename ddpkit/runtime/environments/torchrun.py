@@ -2,7 +2,8 @@
 
 Both launchers export torch's elastic variables, the most complete description of a job, so this
 source is tried first. What it may leave out (LOCAL_WORLD_SIZE, LOCAL_RANK, GROUP_RANK) is derived
-from what it set; the rendezvous address is required once there is more than one process.
+from what it set. The rendezvous address is required, in a world of one too, as torch's ``env://``
+requires it: RANK and WORLD_SIZE without it are a launch gone wrong, not a single process.
 """
 from __future__ import annotations
 
@@ -76,14 +77,20 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
 
     master_addr = environ.get("MASTER_ADDR", "").strip() or None
     master_port = read_master_port(environ, DEFAULT_MASTER_PORT)
-    if world_size > 1 and master_addr is None:
+    if master_addr is None:  # also in a world of one, as torch's env:// rendezvous
+        if world_size == 1:
+            raise refuse("MASTER_ADDR", None,
+                         "RANK=0 and WORLD_SIZE=1 are set but MASTER_ADDR is not: these variables describe "
+                         "a launched job, which has a rendezvous address.",
+                         "unset RANK and WORLD_SIZE to run one process (ddpkit's single-process fallback), "
+                         "or launch with 'ddpkit run' or torchrun, which set MASTER_ADDR and MASTER_PORT.")
         who = "the other ranks" if rank == 0 else f"rank {rank}"
         raise refuse("MASTER_ADDR", None,
                      f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
                      "cannot find rank 0.",
                      "launch with 'ddpkit run' or torchrun, which set it, or export "
                      "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>.")
-    if world_size > 1 and "MASTER_PORT" not in environ:
+    if "MASTER_PORT" not in environ:
         raise refuse("MASTER_PORT", None, f"MASTER_ADDR={master_addr} is set but MASTER_PORT is not.",
                      "export MASTER_PORT=<a free port on the host of rank 0>.")
     launcher = "ddpkit" if environ.get("DDPKIT_LAUNCHER") == "ddpkit" else "torchrun"
