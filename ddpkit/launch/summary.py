@@ -61,7 +61,17 @@ def traceback_tail(lines: list[str]) -> list[str]:
     first = len(starts) - 1
     while first > 0 and _chained(lines[starts[first - 1]:starts[first]]):
         first -= 1
-    return lines[_hang_report_before(lines, starts[first]):][-_MAX_TAIL:]
+    return _head_and_tail(lines[_hang_report_before(lines, starts[first]):])
+
+
+def _head_and_tail(lines: list[str]) -> list[str]:
+    """At most ``_MAX_TAIL`` lines: a long block keeps its start (the hang report's header, the
+    traceback's first frames) and its end (the error), with the middle left out and counted."""
+    if len(lines) <= _MAX_TAIL:
+        return lines
+    head = _MAX_TAIL // 3
+    tail = _MAX_TAIL - head - 1
+    return [*lines[:head], f"... ({len(lines) - head - tail} lines left out) ...", *lines[-tail:]]
 
 
 def _hang_report_before(lines: list[str], start: int) -> int:

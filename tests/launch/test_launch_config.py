@@ -187,6 +187,18 @@ def test_the_summary_keeps_the_hang_report_printed_just_before_the_traceback():
     assert traceback_tail(["noise", rule, "other block", rule, *error]) == error
 
 
+def test_a_long_report_and_traceback_keep_their_start_and_their_end():
+    rule = "=" * 78
+    report = [rule, "ddpkit hang report (stall_timeout=5 s, collected by rank 0). Where each rank is:",
+              *[f"  rank {r} waits in all_reduce #7 at t.py:9 in step()" for r in range(100)], rule]
+    error = ["Traceback (most recent call last):", *[f'  File "t.py", line {n}' for n in range(60)],
+             "RuntimeError: Connection closed by peer"]
+    tail = traceback_tail(["noise", *report, *error])
+    assert len(tail) == 120 and tail[:2] == report[:2] and tail[-1] == error[-1]
+    assert f"... ({len(report) + len(error) - 119} lines left out) ..." in tail
+    assert traceback_tail(["x"] * 130) == ["x"] * 120  # no traceback: the last lines
+
+
 def test_the_summary_shows_a_chained_exception_from_its_root_cause():
     lines = ["noise", "Traceback (most recent call last):", "  old", "E: unrelated", "",
              "Traceback (most recent call last):", '  File "t.py"', "KeyError: 'k'", "",
