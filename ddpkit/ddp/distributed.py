@@ -38,6 +38,7 @@ from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
 from ddpkit.ddp.reducer import Reducer
+from ddpkit.ddp.solo_checks import SoloChecks, solo_checks_for
 from ddpkit.ddp.state_sync import StateSyncSupport, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
 from ddpkit.errors import explain
@@ -148,6 +149,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
             self._python_reducer = python_reducer_for(self, [p for _, p in named])
             if self._python_reducer is None:
                 self.reducer = self._make_reducer(named)
+        self._solo: SoloChecks | None = solo_checks_for(self, named)  # a group of one: the checks alone
         if self.mixed_precision is not None:  # after the broadcast, so every rank casts the same values
             mp.cast_buffers(module, self.mixed_precision, self.parameters_to_ignore)
             if self.reducer is not None and mp.needs_reduce_hook(self.mixed_precision, self.reducer.params):
@@ -249,6 +251,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         if self._delayed is not None:
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.reducer is None:
+            if self._solo is not None:
+                self._solo.prepare_for_backward(torch.is_grad_enabled() and self.require_backward_grad_sync)
             self.logger.end_forward()
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
@@ -296,6 +300,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
                 # a group of one (torchrun --nproc-per-node 1): nothing to average, but torch runs the
                 # hook, and a hook may change the gradients (fp16 rounding), so it runs here too
                 self.reducer = self._make_reducer(self._parameters_to_reduce())
+                if self._solo is not None:  # the reducer checks now
+                    self._solo.disable()
             self.reducer.register_comm_hook(state, hook)
         self.logger._set_comm_hook_name(getattr(hook, "__qualname__", repr(hook)))
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.python_reducer import python_reducer_for
+from ddpkit.ddp.solo_checks import solo_checks_for
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
@@ -32,7 +33,7 @@ class PicklingSupport(nn.Module):
                                       "pickled or deep-copied. HINT: copy or save its .module instead.")
         state = super().__getstate__()
         del state["process_group"], state["reducer"], state["logger"]
-        state["_python_reducer"] = None  # its hooks are on the original's parameters
+        state["_python_reducer"] = state["_solo"] = None  # their hooks are on the original's parameters
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -47,4 +48,5 @@ class PicklingSupport(nn.Module):
             self._python_reducer = python_reducer_for(self, [p for _, p in named])
             if self._python_reducer is None:
                 self.reducer = self._make_reducer(named)
+        self._solo = solo_checks_for(self, self._parameters_to_reduce(delayed_too=True))
         self._log_construction()

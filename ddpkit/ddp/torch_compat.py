@@ -103,6 +103,8 @@ class TorchCompat:
             return
         if self.reducer is not None:
             self.reducer.set_static_graph()
+        if self._solo is not None:  # a static graph may leave parameters unused, or reach one twice
+            self._solo.disable()
         self.static_graph = True
         self.logger._set_static_graph()
         if self.find_unused_parameters:

@@ -1,0 +1,99 @@
+"""The reducer's checks in a world of one, where there is nothing to average.
+
+``torchrun --nproc-per-node 1`` (or a group made by hand) gives a process group of one. There
+ddpkit's DDP has no reducer: each gradient is its own average, and the buckets' copies and
+collectives would be time spent for nothing. torch's reducer runs anyway, and so raises, at one rank,
+the errors a script meets on its first step at eight: a backward that leaves parameters without a
+gradient (find_unused_parameters=False), or gives one a gradient twice (reentrant checkpointing).
+These hooks only count, so that the same script fails the same way here: one Python call per
+parameter and step, no copy and no collective. Not installed with find_unused_parameters or
+static_graph, which accept both, nor in the single-process fallback, where DDP is a plain wrapper.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from ddpkit.ddp import errors
+from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
+from ddpkit.ddp.python_reducer import python_reducer_requested
+
+__all__ = ["SoloChecks", "solo_checks_for"]
+
+_IDLE, _ARMED, _RUNNING, _FINALIZED = range(4)
+
+
+class SoloChecks:
+    """Count each parameter's gradients in a synced backward; raise as the reducer would."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], logger: Any) -> None:
+        self.names = list(names)
+        self.logger = logger  # the DDP's: an error raised here is its last error, as the reducer's
+        self.enabled = True  # False once _set_static_graph() says the graph is static
+        self._ready = [False] * len(self.names)
+        self._phase = _IDLE
+        self._late_warned = False
+        # kept: the parameter holds its node only weakly (see gradient_accumulator)
+        self._accumulators = [gradient_accumulator(p) for p in params]
+        on_grad = type(self)._on_grad
+        for i, acc in enumerate(self._accumulators):
+            acc.register_hook(functools.partial(on_grad, self, i))
+
+    def prepare_for_backward(self, synced: bool) -> None:
+        """After a forward: ``synced`` (grad mode, outside ``no_sync``) arms the count; else the
+        next backward is a local one, as the reducer's."""
+        if self._phase == _RUNNING:  # the last backward failed before its end: count afresh
+            self._ready = [False] * len(self.names)
+        self._phase = _ARMED if synced and self.enabled else _IDLE
+
+    def disable(self) -> None:
+        """The checks end: the graph was declared static, or a reducer now runs (a comm hook)."""
+        self.enabled = False
+        self._reset(_IDLE)
+
+    def _on_grad(self, index: int, *_: Any) -> None:
+        phase = self._phase
+        if phase != _RUNNING:
+            if phase == _FINALIZED and not self._late_warned:
+                self._late_warned = True
+                errors.warn_at_user_code(errors.late_gradient_warning(0, self.names[index]))
+            if phase != _ARMED or _in_compiled_autograd():
+                return
+            self._phase = _RUNNING
+            queue_end_of_backward_callback(self._finish)
+        ready = self._ready
+        if ready[index]:
+            self._reset(_IDLE)
+            raise self.logger.logged(errors.second_gradient_error(0, self.names[index], True))
+        ready[index] = True
+
+    def _finish(self) -> None:
+        """End of the backward: every parameter must have had its gradient."""
+        if self._phase != _RUNNING:  # reset by a second gradient's error
+            return
+        missing = [name for name, ready in zip(self.names, self._ready) if not ready]
+        self._reset(_FINALIZED)
+        if missing:
+            raise self.logger.logged(errors.unused_gradient_error(0, [(0, missing)], False))
+
+    def _reset(self, phase: int) -> None:
+        self._ready = [False] * len(self.names)
+        self._phase = phase
+
+
+def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -> SoloChecks | None:
+    """The checks for ``ddp`` in a group of one, where torch's reducer would raise; else None."""
+    if (ddp.process_group is None or ddp.world_size != 1 or not named or ddp.find_unused_parameters
+            or ddp.static_graph or python_reducer_requested()):
+        return None
+    return SoloChecks([p for _, p in named], [n for n, _ in named], ddp.logger)
+
+
+def _in_compiled_autograd() -> bool:
+    """Compiled autograd traces the backward and refuses end-of-backward callbacks; it has no
+    reducer to finish either, so nothing is counted there."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled is not None and bool(compiled.in_compiled_autograd_region)
