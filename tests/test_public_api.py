@@ -77,6 +77,17 @@ def test_ddp_signature_is_torchs_names_order_defaults_and_kinds():
     assert list(inspect.signature(ddpkit.DDP).parameters)[5] == "init_sync"
 
 
+@pytest.mark.parametrize("method", ["_pre_forward", "_post_forward", "_find_common_rank", "no_sync", "join",
+                                    "join_hook", "register_comm_hook", "_set_static_graph",
+                                    "_get_ddp_logging_data", "will_sync_module_buffers"])
+def test_ddp_methods_that_subclasses_and_torch_call_take_torchs_arguments(method):
+    def described(fn) -> list[tuple]:
+        return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+    assert described(getattr(ddpkit.DDP, method)) == \
+        described(getattr(torch.nn.parallel.DistributedDataParallel, method))
+
+
 def test_parallelize_passes_on_every_argument_of_torchs_ddp():
     """parallelize reads DDP's signature: each of torch 2.13's arguments is an option (device_ids it picks)."""
     from ddpkit.parallelize import _DDP_OPTIONS

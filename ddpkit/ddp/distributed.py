@@ -214,7 +214,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         pre = getattr(self._pre_forward, "plain", None) if direct else None  # a subclass's override: as it is
         post = getattr(self._post_forward, "plain", None) if direct else None
         with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
-            inputs, kwargs = pre(self, inputs, kwargs) if pre else self._pre_forward(inputs, kwargs)
+            inputs, kwargs = pre(self, *inputs, **kwargs) if pre else self._pre_forward(*inputs, **kwargs)
             with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
                 if self.mixed_precision is None:
                     output = self.module(*inputs, **kwargs)
@@ -224,7 +224,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
             return post(self, output) if post else self._post_forward(output)
 
     @bookkeeping
-    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """torch's signature, which a subclass overriding it keeps (torch's ``replicate`` calls it so)."""
         inputs, kwargs = self._on_device(inputs, kwargs)
         grad_enabled = torch.is_grad_enabled()
         if self.reducer is not None and self.reducer.adopt:

@@ -85,9 +85,10 @@ class JoinSupport(Joinable):
         work.wait()
         return bool(flag.item() != 0)
 
-    def _find_common_rank(self, rank: int, candidate: bool) -> int:
-        """The highest rank among the candidates, agreed by all ranks."""
-        t = torch.tensor([rank if candidate else -1], device=self.device)
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        """The highest ``input_rank`` of the ranks whose ``rank_cond`` holds, agreed by all ranks
+        (torch's names: its Join hook and subclasses call it so)."""
+        t = torch.tensor([input_rank if rank_cond else -1], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         if int(t.item()) < 0:
             raise RuntimeError("DistributedDataParallel join: no rank could provide the model state.")

@@ -284,9 +284,9 @@ def _bookkeeping_calls(model: nn.Module, ddp_class: type = ddpkit.DDP) -> list[s
     calls: list[str] = []
     plain = ddpkit.DDP._pre_forward.plain
 
-    def counted(self, inputs, kwargs):
+    def counted(self, *inputs, **kwargs):
         calls.append("plain")
-        return plain(self, inputs, kwargs)
+        return plain(self, *inputs, **kwargs)
 
     ddpkit.DDP._pre_forward.plain = counted
     try:
@@ -311,9 +311,9 @@ def test_a_subclass_that_overrides_the_bookkeeping_is_called_as_it_is():
     class Counting(ddpkit.DDP):
         seen = 0
 
-        def _pre_forward(self, inputs, kwargs):
+        def _pre_forward(self, *inputs, **kwargs):  # torch's signature
             type(self).seen += 1
-            return super()._pre_forward(inputs, kwargs)
+            return super()._pre_forward(*inputs, **kwargs)
 
     calls = _bookkeeping_calls(nn.Linear(2, 2), Counting)
     assert Counting.seen == 2 and calls == ["|"]  # its super() call goes through the wrapper
