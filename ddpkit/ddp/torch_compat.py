@@ -154,9 +154,20 @@ class TorchCompat:
         self.logger._set_comm_hook_name(str(comm_hook_type))
 
     def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
-        """torch's optimizer-in-backward: out of ddpkit (its reducer has no optimizer step)."""
-        raise NotImplementedError(explain(
-            f"_register_fused_optim({getattr(optim, '__name__', optim)}) is not implemented: ddpkit's "
-            "reducer does not step an optimizer inside its comm hook.",
-            "call optimizer.step() after backward(), or use torch.nn.parallel.DistributedDataParallel.",
-            who="DistributedDataParallel", rank=self.rank))
+        """torch's optimizer in backward: each bucket's parameters are stepped by a functional
+        ``optim`` as soon as the bucket's average is in (torch's own overlapped optimizer, which
+        registers its comm hook here as on torch's DDP)."""
+        from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim
+
+        if self.process_group is None:  # no reducer, no comm hook: the optimizer would never step
+            raise RuntimeError(explain(
+                f"_register_fused_optim({getattr(optim, '__name__', optim)}) needs a process group: it steps "
+                "the optimizer from the comm hook, and the single-process fallback has no comm hooks.",
+                "call ddpkit.init() first (a world of one gets a group), or call optimizer.step() after "
+                "backward().", who="DistributedDataParallel", rank=self.rank))
+        overlapped_optim = _as_overlapped_optim(optim, optim_params, *args, **kwargs)
+        try:
+            overlapped_optim.register_ddp(self)
+        except NotImplementedError as e:  # torch's words
+            raise RuntimeError(f"{optim} does not support overlapped DDP. Please file an issue to PyTorch or "
+                               f"the respective owner of {optim}.") from e

@@ -134,10 +134,6 @@ def test_scatter_and_gather_split_and_join_along_dim():
 def _private_worker() -> dict:
     ddp = ddpkit.DistributedDataParallel(_model())
     out = {"deepcopy_names": _public(copy.deepcopy(ddp)) == _public(ddp)}
-    try:
-        ddp._register_fused_optim(torch.optim.SGD, lr=0.1)
-    except NotImplementedError as e:
-        out["fused"] = str(e)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         TorchDDP(_model(), static_graph=True)._set_static_graph()
@@ -162,7 +158,6 @@ def _private_worker() -> dict:
 def test_private_members_answer_or_refuse_clearly():
     for rank, out in enumerate(run_ranks(_private_worker, world_size=2)):
         assert out["deepcopy_names"]
-        assert f"on rank {rank}: _register_fused_optim(SGD) is not implemented" in out["fused"]
         torch_warning, ddpkit_warning = out["static_warnings"]
         assert torch_warning in ddpkit_warning
         assert out["ignored"]["ddpkit"] == out["ignored"]["torch"] == ["0.bias", "1.running_mean"]
@@ -492,3 +487,41 @@ def test_comm_hook_registered_after_training_started_averages_as_torch():
     for out in run_ranks(_late_hook_worker, world_size=2):
         for a, b in zip(out["ddpkit"], out["torch"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _fused_optim_worker() -> dict:
+    """torch's optimizer in backward: the parameters move during backward, no optimizer.step()."""
+    out = {}
+    for who, DDP in (("torch", TorchDDP), ("ddpkit", ddpkit.DistributedDataParallel)):  # noqa: N806
+        for optim, args, kwargs, subset in ((torch.optim.SGD, (0.1,), {"momentum": 0.9}, False),
+                                            (torch.optim.Adam, (0.01,), {"betas": (0.8, 0.9)}, True)):
+            torch.manual_seed(0)
+            ddp = DDP(_model())
+            params = [next(ddp.module.parameters())] if subset else None
+            ddp._register_fused_optim(optim, *args, optim_params=params, **kwargs)
+            for step in range(3):
+                x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+                ddp(x).pow(2).sum().backward()
+            out[f"{who} {optim.__name__}"] = [p.detach().clone() for p in ddp.parameters()]
+        try:
+            ddp.register_comm_hook(None, lambda state, bucket: None)
+        except RuntimeError as e:
+            out[f"{who} second hook"] = str(e)
+    return out
+
+
+def test_register_fused_optim_steps_the_parameters_in_backward_as_torchs():
+    for out in run_ranks(_fused_optim_worker, world_size=2):
+        for name in ("SGD", "Adam"):
+            moved = [not torch.equal(a, b) for a, b in zip(out[f"torch {name}"], _model().parameters())]
+            assert any(moved)
+            for a, b in zip(out[f"ddpkit {name}"], out[f"torch {name}"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch_phrase = "register_comm_hook or register_builtin_comm_hook can only be called once"
+        assert torch_phrase in out["torch second hook"] and torch_phrase in out["ddpkit second hook"]
+
+
+def test_register_fused_optim_without_a_process_group_says_it_needs_one():
+    ddp = ddpkit.DistributedDataParallel(_model())
+    with pytest.raises(RuntimeError, match=r"_register_fused_optim\(SGD\) needs a process group.*HINT"):
+        ddp._register_fused_optim(torch.optim.SGD, 0.1)
