@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from ddpkit.errors import LauncherVariableError
+from ddpkit.errors import LauncherVariableError, explain
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, LAUNCHERS, DistEnv
 from ddpkit.runtime.environments.hostlist import expand_hostlist
-from ddpkit.runtime.environments.mpi import from_mpi
+from ddpkit.runtime.environments.mpi import MPI_FLAVOURS, from_mpi
 from ddpkit.runtime.environments.slurm import from_slurm
 from ddpkit.runtime.environments.torchrun import from_torchrun, refuse_partial_launch
 
@@ -56,10 +56,11 @@ _PLACE = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def _with_scheduler_layout(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
-    """RANK and WORLD_SIZE exported by hand in a SLURM or MPI job (``export RANK=$SLURM_PROCID``,
-    then ``srun``), without torchrun's local variables: the node layout is the scheduler's, where it
-    counts the same ranks. Derived from RANK alone, every rank would sit on one node (rank 9 of 16
-    on ``cuda:9`` of an 8-GPU node, and a share of the cores for 16)."""
+    """RANK and WORLD_SIZE set by hand in a SLURM or MPI job (``srun bash -c 'RANK=$SLURM_PROCID
+    ...'``), without torchrun's local variables: the node layout is the scheduler's, where it counts
+    the same world size, and a RANK that is not the scheduler's rank there is refused. Derived from
+    RANK alone, every rank would sit on one node (rank 9 of 16 on ``cuda:9`` of an 8-GPU node, and
+    a share of the cores for 16)."""
     if any(name in environ for name in _PLACE):
         return env
     for source in (from_slurm, from_mpi):
@@ -67,7 +68,27 @@ def _with_scheduler_layout(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
             scheduler = source(environ)
         except LauncherVariableError:  # its variables were never needed: the job ran without them
             continue
-        if scheduler is not None and (scheduler.rank, scheduler.world_size) == (env.rank, env.world_size):
-            return env.replace(local_rank=scheduler.local_rank, local_world_size=scheduler.local_world_size,
-                               node_rank=scheduler.node_rank)
+        if scheduler is None or scheduler.world_size != env.world_size:
+            continue
+        if scheduler.rank != env.rank:
+            raise _same_rank_everywhere(env, scheduler, source is from_slurm, environ)
+        return env.replace(local_rank=scheduler.local_rank, local_world_size=scheduler.local_world_size,
+                           node_rank=scheduler.node_rank)
     return env
+
+
+def _same_rank_everywhere(env: DistEnv, scheduler: DistEnv, slurm: bool,
+                          environ: Mapping[str, str]) -> LauncherVariableError:
+    """RANK exported by hand disagrees with the scheduler's rank in a world of the same size: set once
+    in the batch script (``export RANK=$SLURM_PROCID`` before ``srun``, or ``mpirun -x RANK=0``), it is
+    the same on every task; their rendezvous would wait for the ranks nobody holds."""
+    name = "SLURM_PROCID" if slurm else next(names[0] for names in MPI_FLAVOURS if names[0] in environ)
+    where = ("exported before srun (in the batch script, where SLURM_PROCID is 0), so every task "
+             "gets the same value" if slurm else "passed to every rank alike (mpirun -x RANK=...)")
+    return LauncherVariableError(explain(
+        f"RANK={env.rank} but {name}={scheduler.rank}: this process is {name}={scheduler.rank} of "
+        f"WORLD_SIZE={env.world_size}, and RANK was probably {where}.",
+        f"unset RANK and WORLD_SIZE (ddpkit reads {name} itself), or set RANK inside each task "
+        f"(srun bash -c 'RANK=$SLURM_PROCID python train.py')." if slurm else
+        f"unset RANK and WORLD_SIZE (ddpkit reads {name} itself)."),
+        variable="RANK", value=str(env.rank))

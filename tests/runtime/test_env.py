@@ -65,7 +65,7 @@ _OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COM
 
 
 def test_rank_exported_by_hand_under_srun_or_mpirun_keeps_the_schedulers_node_layout():
-    # export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS ...; srun python train.py: not one node of 16
+    # srun bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS python train.py': not one node of 16
     env = detect({**_HAND_EXPORTED, **_SLURM_STEP})
     assert (env.rank, env.local_rank, env.local_world_size, env.node_rank) == (9, 1, 8, 1)
     assert (env.master_addr, env.master_port, env.launcher) == ("n1", 29500, "torchrun")
@@ -75,11 +75,27 @@ def test_rank_exported_by_hand_under_srun_or_mpirun_keeps_the_schedulers_node_la
 
 def test_the_schedulers_layout_is_not_taken_where_it_counts_other_ranks_or_torchrun_gave_its_own():
     # torchrun inside srun (one task per node): SLURM_PROCID is the node's task, LOCAL_RANK is set
-    assert detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_PROCID": "3"}).local_world_size == 16
+    env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+                  "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "LOCAL_RANK": "1"})
+    assert (env.rank, env.local_rank) == (9, 1)  # torchrun's own: SLURM's task rank is not RANK
+    env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_PROCID": "1"})  # other counts
+    assert (env.rank, env.local_world_size) == (9, 16)
     env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8"})
     assert (env.local_rank, env.local_world_size, env.node_rank) == (1, 8, 1)
     env = detect({**_HAND_EXPORTED, **_SLURM_STEP, "SLURM_NODELIST": "n[1-"})  # unread, as before
     assert (env.local_rank, env.local_world_size, env.node_rank) == (9, 16, 0)
+
+
+@pytest.mark.parametrize("scheduler, name", [
+    ({**_SLURM_STEP, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+      "SLURM_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2"}, "SLURM_PROCID"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK")])
+def test_a_rank_exported_alike_to_every_task_is_refused_naming_the_schedulers_rank(scheduler, name):
+    # export RANK=$SLURM_PROCID in the batch script: 0 on every task; rank 0 would wait 5 minutes
+    with pytest.raises(LauncherVariableError, match=rf"^RANK=0 but {name}=1: this process is {name}=1 of "
+                       rf"WORLD_SIZE=2.*HINT: unset RANK and WORLD_SIZE \(ddpkit reads {name} itself\)") as caught:
+        detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", **scheduler})
+    assert (caught.value.variable, caught.value.value) == ("RANK", "0")
 
 
 TORCHRUN_ERRORS = [
