@@ -98,6 +98,12 @@ def test_a_rank_exported_alike_to_every_task_is_refused_naming_the_schedulers_ra
     assert (caught.value.variable, caught.value.value) == ("RANK", "0")
 
 
+def test_rank_without_master_addr_under_mpirun_says_to_leave_the_rank_to_the_scheduler():
+    with pytest.raises(LauncherVariableError, match=r"MASTER_ADDR is not.*HINT: OMPI_COMM_WORLD_RANK is set: "
+                       r"under srun or mpirun, unset RANK and WORLD_SIZE"):
+        detect({"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
 TORCHRUN_ERRORS = [
         ({**TORCHRUN, "RANK": "8"}, r"RANK=8 is out of range for WORLD_SIZE=8: RANK must be in \[0, 8\)"),
         ({**TORCHRUN, "RANK": "-1"}, r"RANK=-1 must be >= 0"),

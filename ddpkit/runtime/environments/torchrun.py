@@ -85,9 +85,13 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                          "unset RANK and WORLD_SIZE to run one process (ddpkit's single-process fallback), "
                          "or launch with 'ddpkit run' or torchrun, which set MASTER_ADDR and MASTER_PORT.")
         who = "the other ranks" if rank == 0 else f"rank {rank}"
+        scheduler = next((name for name in _SCHEDULER_RANKS if name in environ), None)
         raise refuse("MASTER_ADDR", None,
                      f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
                      "cannot find rank 0.",
+                     f"{scheduler} is set: under srun or mpirun, unset RANK and WORLD_SIZE, and ddpkit reads "
+                     "the scheduler's own variables, rank 0's address included; or export "
+                     "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>." if scheduler else
                      "launch with 'ddpkit run' or torchrun, which set it, or export "
                      "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>.")
     if "MASTER_PORT" not in environ:
@@ -97,6 +101,9 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, launcher)
 
+
+# the rank variables of the schedulers ddpkit also reads (SLURM, MPI flavours)
+_SCHEDULER_RANKS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 # torchrun's variables that, above these values, say the process is one of several
 _SEVERAL = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1}
