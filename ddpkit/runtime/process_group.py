@@ -254,11 +254,30 @@ def _take_share_of_cores(env: DistEnv) -> None:
 
 
 def _adopt_existing_group() -> DistEnv:
-    """The user called ``torch.distributed.init_process_group`` already: describe that group."""
+    """The user called ``torch.distributed.init_process_group`` already: describe that group.
+
+    Without a launcher's variables (the tutorials' ``mp.spawn``), the launcher is given as
+    "torchrun", whose kind of rendezvous (MASTER_ADDR, MASTER_PORT) such a script uses; where that
+    rendezvous is on this host (a loopback address), every rank is too, so a rank's local rank is
+    its rank. Elsewhere, and without LOCAL_RANK, the layout is unknown: local rank 0 of 1."""
     env = beside_group(os.environ)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    launcher = env.launcher if env.world_size == dist.get_world_size() else "torchrun"
-    return env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=backend,
-                       device=device, launcher=launcher)
+    if env.world_size != world_size:
+        env = env.replace(launcher="torchrun")
+        if "LOCAL_RANK" not in os.environ and _rendezvous_on_this_host():
+            env = env.replace(local_rank=rank, local_world_size=world_size, node_rank=0)
+    return env.replace(rank=rank, world_size=world_size, backend=backend, device=device)
+
+
+def _rendezvous_on_this_host() -> bool:
+    """Whether the default group's store is on a loopback address, or in this process (a world of one)."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):  # torch wraps it in PrefixStores
+        store = store.underlying_store
+    if isinstance(store, dist.HashStore):
+        return True
+    host = getattr(store, "host", None) if isinstance(store, dist.TCPStore) else None
+    return host is not None and (host == "localhost" or host.startswith("127.") or host == "::1")
 

@@ -257,3 +257,18 @@ def _local_rank_beside_own_group():
 
 def test_a_group_the_script_made_takes_its_local_rank_from_local_rank():
     assert run_ranks(_local_rank_beside_own_group, 1, init=False) == [(3, 3, 3, 1, 3)]
+
+
+def _spawned_like_the_tutorials():
+    # mp.spawn + init_process_group("gloo", rank=..., world_size=...) on MASTER_ADDR=127.0.0.1:
+    # no launcher variables, every rank on this host
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    env = ddpkit.init()
+    return env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.launcher
+
+
+def test_a_group_made_by_hand_on_loopback_puts_every_rank_on_this_host():
+    assert run_ranks(_spawned_like_the_tutorials, 2, init=False) == [(r, 2, r, 2, 0, "torchrun") for r in range(2)]
