@@ -234,6 +234,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
             self.logger.start_forward()  # torch's iteration count, and its sampled timings
             if self.reducer is not None:
                 self.reducer.prepare_for_forward()
+            elif self._solo is not None:
+                self._solo.prepare_for_forward()
         if self.reducer is None:
             return inputs, kwargs
         work = Join.notify_join_context(self)
@@ -253,7 +255,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
             self._delayed.after_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
         if self.reducer is None:
             if self._solo is not None:
-                self._solo.prepare_for_backward(torch.is_grad_enabled() and self.require_backward_grad_sync)
+                self._solo.prepare_for_backward(torch.is_grad_enabled() and self.require_backward_grad_sync, output)
             self.logger.end_forward()
             return output
         if torch.is_grad_enabled() and self.require_backward_grad_sync:

@@ -19,6 +19,7 @@ import torch
 
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
+from ddpkit.ddp.outputs import find_tensors
 from ddpkit.ddp.python_reducer import python_reducer_requested
 
 __all__ = ["SoloChecks", "solo_checks_for"]
@@ -35,6 +36,7 @@ class SoloChecks:
         self.enabled = True  # False once _set_static_graph() says the graph is static
         self._ready = [False] * len(self.names)
         self._phase = _IDLE
+        self._queued = False  # the end-of-backward check is queued in the running backward
         self._late_warned = False
         # kept: the parameter holds its node only weakly (see gradient_accumulator)
         self._accumulators = [gradient_accumulator(p) for p in params]
@@ -42,17 +44,37 @@ class SoloChecks:
         for i, acc in enumerate(self._accumulators):
             acc.register_hook(functools.partial(on_grad, self, i))
 
-    def prepare_for_backward(self, synced: bool) -> None:
-        """After a forward: ``synced`` (grad mode, outside ``no_sync``) arms the count; else the
-        next backward is a local one, as the reducer's."""
-        if self._phase == _RUNNING:  # the last backward failed before its end: count afresh
-            self._ready = [False] * len(self.names)
-        self._phase = _ARMED if synced and self.enabled else _IDLE
+    def prepare_for_forward(self) -> None:
+        """Before a synced forward: a backward that began must have ended (it raised midway,
+        and the script caught it), as the reducer says once at that forward."""
+        if self._phase == _RUNNING:
+            self._reset(_IDLE)
+            raise self.logger.logged(errors.unfinished_backward_error(0))
+
+    def prepare_for_backward(self, synced: bool, output: Any) -> None:
+        """After a forward: ``synced`` (grad mode, outside ``no_sync``) arms the count, and the
+        outputs' gradient hooks say where the backward ends (the first parameter's gradient may come
+        from a reentrant checkpoint's inner backward, which ends first); else the next backward is
+        a local one, as the reducer's."""
+        self._queued = False
+        if not (synced and self.enabled):
+            self._phase = _IDLE
+            return
+        self._phase = _ARMED
+        outputs = [t for t in find_tensors(output) if t.requires_grad]
+        for t in outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]:
+            if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
+                t.register_hook(self._on_output_grad)
 
     def disable(self) -> None:
         """The checks end: the graph was declared static, or a reducer now runs (a comm hook)."""
         self.enabled = False
         self._reset(_IDLE)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if self._phase == _ARMED and not self._queued and not _in_compiled_autograd():
+            self._queued = True
+            queue_end_of_backward_callback(self._finish)
 
     def _on_grad(self, index: int, *_: Any) -> None:
         phase = self._phase
@@ -63,7 +85,9 @@ class SoloChecks:
             if phase != _ARMED or _in_compiled_autograd():
                 return
             self._phase = _RUNNING
-            queue_end_of_backward_callback(self._finish)
+            if not self._queued:  # a backward that did not come through the outputs
+                self._queued = True
+                queue_end_of_backward_callback(self._finish)
         ready = self._ready
         if ready[index]:
             self._reset(_IDLE)
@@ -71,8 +95,10 @@ class SoloChecks:
         ready[index] = True
 
     def _finish(self) -> None:
-        """End of the backward: every parameter must have had its gradient."""
-        if self._phase != _RUNNING:  # reset by a second gradient's error
+        """End of the backward: every parameter must have had its gradient. A backward that reached
+        none (``torch.autograd.grad`` for a penalty on the input) leaves the count armed."""
+        self._queued = False
+        if self._phase != _RUNNING:
             return
         missing = [name for name, ready in zip(self.names, self._ready) if not ready]
         self._reset(_FINALIZED)

@@ -37,6 +37,19 @@ class _Reentrant(nn.Module):
         return checkpoint(self.layer, x, use_reentrant=True) + self.layer(x)
 
 
+class _LastBlockCheckpointed(nn.Module):
+    """The block nearest the loss in a reentrant checkpoint: the first gradients come from its inner
+    backward, which ends before the outer one reaches ``body``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.head, self.body(x), use_reentrant=True)
+
+
 def _first_error(ddp: nn.Module, steps: int = 3) -> tuple[int, BaseException] | None:
     """The step and error of the first step that raised (forward and backward), else None."""
     for step in range(steps):
@@ -94,6 +107,8 @@ def _quiet_worker() -> dict:
     ddp = ddpkit.DDP(_Reentrant())
     ddp._set_static_graph()
     out["_set_static_graph"] = _first_error(ddp)
+    out["last block checkpointed"] = _first_error(ddpkit.DDP(_LastBlockCheckpointed()))
+    out["torch: last block checkpointed"] = _first_error(nn.parallel.DistributedDataParallel(_LastBlockCheckpointed()))
     # no_sync steps are local: nothing to finish, as in torch
     ddp = ddpkit.DDP(_HalfUsed())
     with ddp.no_sync():
@@ -143,3 +158,50 @@ def test_the_single_process_fallback_stays_a_plain_wrapper():
     ddp = ddpkit.DDP(_HalfUsed())
     assert ddp.process_group is None and ddp._solo is None
     assert _first_error(ddp) is None
+
+
+class _FailsBetweenLayers(nn.Module):
+    """With ``fail``, backward raises between its layers: after the second's gradients, before the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 2)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if self.fail:
+            hidden.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("a hook failed")))
+        return self.second(hidden)
+
+
+def _raised_midway_worker() -> list:
+    """A backward that raised midway (caught by the script): the next forward says so, once."""
+    seen = []
+    for DDP in (nn.parallel.DistributedDataParallel, ddpkit.DDP):  # noqa: N806
+        model = _FailsBetweenLayers()
+        ddp = DDP(model)
+        model.fail = True
+        try:
+            ddp(torch.ones(2, 4)).sum().backward()
+        except ValueError:
+            pass
+        model.fail = False
+        steps = []
+        for _ in range(2):
+            try:
+                ddp(torch.ones(2, 4)).sum().backward()
+                steps.append("ok")
+            except RuntimeError as e:
+                steps.append(str(e) if DDP is ddpkit.DDP else str(e).split(".")[0])
+        seen.append(steps)
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_one_says_once_that_the_last_backward_did_not_finish():
+    [(torch_steps, ddpkit_steps)] = run_ranks(_raised_midway_worker, 1, timeout=45)
+    phrase = "Expected to have finished reduction in the prior iteration before starting a new one"
+    assert torch_steps[0] == phrase
+    assert phrase in ddpkit_steps[0] and ddpkit_steps[1] == "ok"  # torch raises at every later forward
