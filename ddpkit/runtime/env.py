@@ -61,7 +61,7 @@ def _with_scheduler_layout(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
     the same world size, and a RANK that is not the scheduler's rank there is refused. Derived from
     RANK alone, every rank would sit on one node (rank 9 of 16 on ``cuda:9`` of an 8-GPU node, and
     a share of the cores for 16)."""
-    if any(name in environ for name in _PLACE):
+    if "TORCHELASTIC_RUN_ID" in environ:  # torchrun or 'ddpkit run' (inside srun): its ranks, its layout
         return env
     for source in (from_slurm, from_mpi):
         try:
@@ -72,6 +72,8 @@ def _with_scheduler_layout(env: DistEnv, environ: Mapping[str, str]) -> DistEnv:
             continue
         if scheduler.rank != env.rank:
             raise _same_rank_everywhere(env, scheduler, source is from_slurm, environ)
+        if any(name in environ for name in _PLACE):  # set by hand beside RANK: the script's own layout
+            return env
         return env.replace(local_rank=scheduler.local_rank, local_world_size=scheduler.local_world_size,
                            node_rank=scheduler.node_rank)
     return env
@@ -83,12 +85,13 @@ def _same_rank_everywhere(env: DistEnv, scheduler: DistEnv, slurm: bool,
     in the batch script (``export RANK=$SLURM_PROCID`` before ``srun``, or ``mpirun -x RANK=0``), it is
     the same on every task; their rendezvous would wait for the ranks nobody holds."""
     name = "SLURM_PROCID" if slurm else next(names[0] for names in MPI_FLAVOURS if names[0] in environ)
-    where = ("exported before srun (in the batch script, where SLURM_PROCID is 0), so every task "
-             "gets the same value" if slurm else "passed to every rank alike (mpirun -x RANK=...)")
+    where = ("exported before srun (in the batch script" + (", where SLURM_PROCID is 0" if env.rank == 0 else "")
+             + "), so every task gets the same value" if slurm else "passed to every rank alike (mpirun -x RANK=...)")
+    also = "".join(f", {place}" for place in _PLACE if place in environ)
     return LauncherVariableError(explain(
         f"RANK={env.rank} but {name}={scheduler.rank}: this process is {name}={scheduler.rank} of "
         f"WORLD_SIZE={env.world_size}, and RANK was probably {where}.",
-        f"unset RANK and WORLD_SIZE (ddpkit reads {name} itself), or set RANK inside each task "
-        f"(srun bash -c 'RANK=$SLURM_PROCID python train.py')." if slurm else
-        f"unset RANK and WORLD_SIZE (ddpkit reads {name} itself)."),
+        f"unset RANK, WORLD_SIZE{also} (ddpkit reads {name} and the rest of the layout itself)"
+        + (", or set them inside each task (srun bash -c 'RANK=$SLURM_PROCID ... python train.py', with "
+           "MASTER_ADDR and MASTER_PORT exported)." if slurm else ".")),
         variable="RANK", value=str(env.rank))

@@ -93,15 +93,26 @@ def test_the_schedulers_layout_is_not_taken_where_it_counts_other_ranks_or_torch
 def test_a_rank_exported_alike_to_every_task_is_refused_naming_the_schedulers_rank(scheduler, name):
     # export RANK=$SLURM_PROCID in the batch script: 0 on every task; rank 0 would wait 5 minutes
     with pytest.raises(LauncherVariableError, match=rf"^RANK=0 but {name}=1: this process is {name}=1 of "
-                       rf"WORLD_SIZE=2.*HINT: unset RANK and WORLD_SIZE \(ddpkit reads {name} itself\)") as caught:
+                       rf"WORLD_SIZE=2.*HINT: unset RANK, WORLD_SIZE \(ddpkit reads {name} and the rest") as caught:
         detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29500", **scheduler})
     assert (caught.value.variable, caught.value.value) == ("RANK", "0")
+    # LOCAL_RANK exported alike beside it (export LOCAL_RANK=$SLURM_LOCALID): refused too
+    with pytest.raises(LauncherVariableError, match=r"HINT: unset RANK, WORLD_SIZE, LOCAL_RANK \(ddpkit reads"):
+        detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+                **scheduler})
+    # torchrun or 'ddpkit run' inside the step: their rendezvous numbers the ranks, not the scheduler
+    env = detect({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "j", "MASTER_ADDR": "n1",
+                  "MASTER_PORT": "29500", **scheduler})
+    assert (env.rank, env.launcher) == (0, "torchrun")
 
 
 def test_rank_without_master_addr_under_mpirun_says_to_leave_the_rank_to_the_scheduler():
-    with pytest.raises(LauncherVariableError, match=r"MASTER_ADDR is not.*HINT: OMPI_COMM_WORLD_RANK is set: "
-                       r"under srun or mpirun, unset RANK and WORLD_SIZE"):
+    with pytest.raises(LauncherVariableError, match=r"MASTER_ADDR is not.*HINT: OMPI_COMM_WORLD_RANK and "
+                       r"OMPI_COMM_WORLD_SIZE=2 are set: unset RANK and WORLD_SIZE"):
         detect({"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+    # a scheduler counting other ranks (an srun --pty shell of one task) cannot describe this job
+    with pytest.raises(LauncherVariableError, match=r"MASTER_ADDR is not.*HINT: launch with 'ddpkit run' or torchrun"):
+        detect({"RANK": "0", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
 
 
 TORCHRUN_ERRORS = [

@@ -85,13 +85,16 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                          "unset RANK and WORLD_SIZE to run one process (ddpkit's single-process fallback), "
                          "or launch with 'ddpkit run' or torchrun, which set MASTER_ADDR and MASTER_PORT.")
         who = "the other ranks" if rank == 0 else f"rank {rank}"
-        scheduler = next((name for name in _SCHEDULER_RANKS if name in environ), None)
+        # srun's or mpirun's own variables counting the same ranks: they can describe the job alone
+        scheduler = next((names for names in _SCHEDULER_RANKS
+                          if names[0] in environ and environ.get(names[1], "").strip() == str(world_size)), None)
         raise refuse("MASTER_ADDR", None,
                      f"RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR is not, so {who} "
                      "cannot find rank 0.",
-                     f"{scheduler} is set: under srun or mpirun, unset RANK and WORLD_SIZE, and ddpkit reads "
-                     "the scheduler's own variables, rank 0's address included; or export "
-                     "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>." if scheduler else
+                     f"{scheduler[0]} and {scheduler[1]}={world_size} are set: unset RANK and WORLD_SIZE, and "
+                     "ddpkit reads the scheduler's own variables (under mpirun over several nodes, export "
+                     "MASTER_ADDR=<host of rank 0> too); or export MASTER_ADDR=<host of rank 0> and "
+                     "MASTER_PORT=<free port>." if scheduler else
                      "launch with 'ddpkit run' or torchrun, which set it, or export "
                      "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port>.")
     if "MASTER_PORT" not in environ:
@@ -102,8 +105,10 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
                    master_port, launcher)
 
 
-# the rank variables of the schedulers ddpkit also reads (SLURM, MPI flavours)
-_SCHEDULER_RANKS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+# the rank and size variables of the schedulers ddpkit also reads (SLURM, MPI flavours)
+_SCHEDULER_RANKS = (("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                    ("PMIX_RANK", "PMIX_SIZE"))
 
 # torchrun's variables that, above these values, say the process is one of several
 _SEVERAL = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1}
