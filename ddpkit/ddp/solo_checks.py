@@ -7,7 +7,8 @@ the errors a script meets on its first step at eight: a backward that leaves par
 gradient (find_unused_parameters=False), or gives one a gradient twice (reentrant checkpointing).
 These hooks only count, so that the same script fails the same way here: one Python call per
 parameter and step, no copy and no collective. Not installed with find_unused_parameters or
-static_graph, which accept both, nor in the single-process fallback, where DDP is a plain wrapper.
+static_graph, which accept both, nor in the single-process fallback (no launcher, with or without
+``ddpkit.init()``), where DDP is a plain wrapper.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
 from ddpkit.ddp.outputs import find_tensors
 from ddpkit.ddp.python_reducer import python_reducer_requested
+from ddpkit.runtime.process_group import current_env
 
 __all__ = ["SoloChecks", "solo_checks_for"]
 
@@ -113,9 +115,16 @@ class SoloChecks:
 def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -> SoloChecks | None:
     """The checks for ``ddp`` in a group of one, where torch's reducer would raise; else None."""
     if (ddp.process_group is None or ddp.world_size != 1 or not named or ddp.find_unused_parameters
-            or ddp.static_graph or python_reducer_requested()):
+            or ddp.static_graph or python_reducer_requested() or _single_process_fallback()):
         return None
     return SoloChecks([p for _, p in named], [n for n, _ in named], ddp.logger)
+
+
+def _single_process_fallback() -> bool:
+    """``ddpkit.init()`` in a plain ``python`` run: its group of one serves the collectives, and
+    DDP stays the plain wrapper the contract promises there."""
+    env = current_env()
+    return env is not None and env.launcher == "single"
 
 
 def _in_compiled_autograd() -> bool:

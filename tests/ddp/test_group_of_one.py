@@ -205,3 +205,20 @@ def test_a_group_of_one_says_once_that_the_last_backward_did_not_finish():
     phrase = "Expected to have finished reduction in the prior iteration before starting a new one"
     assert torch_steps[0] == phrase
     assert phrase in ddpkit_steps[0] and ddpkit_steps[1] == "ok"  # torch raises at every later forward
+
+
+def _fallback_after_init_worker() -> tuple:
+    # a plain `python train.py` that calls ddpkit.init(): no launcher variables, a Gloo group of one
+    import os
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        os.environ.pop(name, None)
+    env = ddpkit.init()
+    ddp = ddpkit.DDP(_HalfUsed())
+    return env.launcher, ddp.process_group is not None, ddp._solo is None, _first_error(ddp)
+
+
+@pytest.mark.timeout(60)
+def test_the_single_process_fallback_after_init_stays_a_plain_wrapper():
+    assert run_ranks(_fallback_after_init_worker, 1, init=False, timeout=45) == [("single", True, True, None)]
