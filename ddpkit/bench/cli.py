@@ -1,7 +1,7 @@
 """``ddpkit bench``: collective bandwidth and DDP step time, ddpkit vs torch, on this machine.
 
     ddpkit bench                       # full run, 2 local ranks (a few minutes on 2 CPU cores)
-    ddpkit bench --quick --json o.json # smoke run, a few seconds
+    ddpkit bench --quick --json o.json # smoke run, under a minute on 2 cores
     python -m ddpkit bench --nproc 4 --tables collectives --plot bw.png
     ddpkit bench --tables ddp,memory --nproc 2,3 --models mlp34,embedding
     ddpkit bench --pool run1.json run2.json run3.json   # one verdict from three runs' rounds
@@ -44,7 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="where the models and gradients live (default cuda with nccl, else cpu); "
                              "--backend gloo --device cuda puts several ranks on one GPU, the reducer's "
                              "CUDA path")
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (under a minute on 2 cores)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats: rounds over the DDP variants (default 40) and per "
                              "collective size (default 20; large messages use fewer); quick 3")

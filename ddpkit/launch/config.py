@@ -125,7 +125,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    type=float, metavar="SECONDS", default=pet("shutdown_timeout", DEFAULT_GRACE_PERIOD),
                    help="seconds between SIGTERM and SIGKILL when stopping workers. Default 30.")
     p.add_argument(*_spellings("monitor-interval"), dest="monitor_interval", type=float, metavar="SECONDS",
-                   default=pet("monitor_interval", 0.05), help="seconds between worker checks.")
+                   default=pet("monitor_interval", 0.05), help="seconds between worker checks (default 0.05).")
     p.add_argument(*_spellings("rdzv-id"), dest="rdzv_id", default=pet("rdzv_id", None), metavar="ID",
                    help="job id, given to workers as TORCHELASTIC_RUN_ID; default 'none' on several "
                    "nodes, a fresh UUID on one (as torchrun's).")
