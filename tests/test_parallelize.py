@@ -117,3 +117,17 @@ def test_two_ranks_get_ddpkit_ddp_and_stay_in_sync():
     assert "devices='cpu' must be a non-empty list" in results[0]["refused"][0]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def _deprecated_option_worker() -> list:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallelize(nn.Linear(2, 2), broadcast_buffers=False)
+    return [(w.category.__name__, w.filename) for w in caught if "broadcast_buffers" in str(w.message)]
+
+
+def test_torchs_deprecation_warning_points_at_the_users_parallelize_call():
+    for seen in run_ranks(_deprecated_option_worker, world_size=2):
+        assert seen == [("FutureWarning", __file__)]

@@ -95,13 +95,14 @@ def warn_if_create_graph(rank: int, grad: torch.Tensor | None) -> None:
             "on the local loss, outside DDP's backward, or all-reduce them yourself.", who=_DDP, rank=rank))
 
 
-def warn_at_user_code(message: str) -> None:
-    """Warn, pointing at the user's line (its backward() call) rather than at torch's autograd."""
+def warn_at_user_code(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn, pointing at the user's line (its backward() call, its DDP(...) even through
+    ``ddpkit.parallelize``) rather than at torch's autograd or ddpkit's own code."""
     skipped = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["ddpkit"]))
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level if frame is not None else 1)
+    warnings.warn(message, category, stacklevel=level if frame is not None else 1)
 
 
 def second_gradient_error(rank: int, name: str, used: bool) -> SecondGradientError:

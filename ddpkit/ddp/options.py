@@ -7,12 +7,12 @@ worded with the argument and the fix.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from ddpkit.ddp.errors import warn_at_user_code
 from ddpkit.ddp.state_sync import default_group
 from ddpkit.errors import explain
 
@@ -69,7 +69,7 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
                        "unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at "
                        "init. If you rely on buffers NOT being synced at init (e.g. rank-local buffers), keep "
                        "using `broadcast_buffers=False` until `init_sync_buffers` is available.")
-        warnings.warn(message, FutureWarning, stacklevel=3)
+        warn_at_user_code(message, FutureWarning)
     if forward_sync_buffers is not None:
         return BufferSync(forward=bool(forward_sync_buffers), init=True)
     both = True if broadcast_buffers is None else bool(broadcast_buffers)
@@ -79,8 +79,8 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
 def warn_check_reduction(check_reduction: bool) -> None:
     """torch's warning: the reducer always completes the reduction, so the flag does nothing."""
     if check_reduction:
-        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
-                      "Please avoid using it.", FutureWarning, stacklevel=3)
+        warn_at_user_code("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                          "Please avoid using it.", FutureWarning)
 
 
 def bucket_cap_list(bucket_cap_mb_list: Sequence[float] | None) -> tuple[int, ...]:
