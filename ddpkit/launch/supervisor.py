@@ -30,6 +30,10 @@ from ddpkit.runtime.hangs.watchdog import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_C
 __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
 
 CAUSE_WAIT = 5.0
+PEER_EXIT_WAIT = 0.5
+"""Seconds the rest of a failed attempt's workers get to end by themselves before SIGTERM: a rank
+failing at the same moment (both raise after one barrier) prints its own traceback, and is told
+apart from one stopped because of the failure."""
 """Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
 waits for the failure that caused it to end too."""
 
@@ -108,12 +112,15 @@ class Supervisor:
         if self.stop_signal is not None:
             return Outcome("signal", 128 + self.stop_signal)
         self._workers, self._consequence_since, self._consequence_files = [], None, {}
+        outcome = None
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
             outcome = self.watch()
             self.tell_other_nodes(attempt, outcome)  # first: they stop theirs while we stop ours
         finally:
-            self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM)
+            failed = outcome is not None and outcome.kind == "failed"
+            self.stop_workers(self._workers, self.stop_signal or signal.SIGTERM,
+                              settle=PEER_EXIT_WAIT if failed else 0.0)
         if outcome.kind == "failed":
             log = log_path(self._log_dir, attempt, outcome.failed.rank) if self._log_dir else None
             say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log))
@@ -214,8 +221,13 @@ class Supervisor:
         running = any(w.state == "running" for w in self._workers)
         return running and time.monotonic() - self._consequence_since < CAUSE_WAIT
 
-    def stop_workers(self, workers: list[Worker], sig: int) -> None:
-        """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers."""
+    def stop_workers(self, workers: list[Worker], sig: int, settle: float = 0.0) -> None:
+        """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers;
+        ``settle``: seconds to let them end by themselves first (``PEER_EXIT_WAIT``)."""
+        deadline = time.monotonic() + settle
+        while (any(w.process.poll() is None for w in workers) and time.monotonic() < deadline
+               and not self._handle_signals()):
+            time.sleep(0.02)
         for worker in workers:
             _settle(worker)  # one that ended by itself before we signal it was not stopped by us
         running = [w for w in workers if w.process.poll() is None]

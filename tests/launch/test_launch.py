@@ -412,6 +412,21 @@ def test_the_summary_leads_with_the_cause_not_a_collective_error_it_caused(job, 
     assert_all_gone(job.pids())
 
 
+@pytest.mark.timeout(60)
+def test_ranks_failing_together_each_show_their_own_error_and_none_is_called_stopped(job, tmp_path):
+    # rank 1 raises 0.2 s after rank 0; the launcher gives it PEER_EXIT_WAIT to end by itself before
+    # SIGTERM: without that it was "stopped because of it", killed before it printed its traceback
+    for _ in range(3):
+        code, _, err = job.run("--nproc-per-node", "2", WORKER, str(tmp_path), "all-fail")
+        summary = err[err.index("the job failed"):]
+        assert code == 1, err
+        assert "also failed, before they were stopped: rank" in summary and "stopped because of it" not in summary
+        assert "ValueError: bad config on rank 0" in err and "ValueError: bad config on rank 1" in err
+        assert_all_gone(job.pids())
+        for stale in tmp_path.glob("pids_*"):
+            stale.unlink()
+
+
 def _node(rank: int, port: int, *args: str) -> tuple[str, ...]:
     return ("--nnodes", "3", "--node-rank", str(rank), "--master-port", str(port), *args)
 

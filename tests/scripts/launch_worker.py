@@ -187,6 +187,10 @@ def main() -> None:
             raise ValueError(f"recorded on rank {rank}")
 
         fail()
+    elif mode == "all-fail":  # every rank raises at about the same moment, rank r 0.2 r s later
+        _wait_for_every_rank(out, attempt)
+        time.sleep(0.2 * rank)
+        raise ValueError(f"bad config on rank {rank}")
     elif mode == "sigkill" and rank == target:
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "fail-once":
