@@ -30,12 +30,12 @@ from ddpkit.runtime.hangs.watchdog import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_C
 __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
 
 CAUSE_WAIT = 5.0
+"""Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
+waits for the failure that caused it to end too."""
 PEER_EXIT_WAIT = 0.5
 """Seconds the rest of a failed attempt's workers get to end by themselves before SIGTERM: a rank
 failing at the same moment (both raise after one barrier) prints its own traceback, and is told
 apart from one stopped because of the failure."""
-"""Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
-waits for the failure that caused it to end too."""
 
 
 @dataclass
