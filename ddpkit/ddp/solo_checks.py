@@ -39,7 +39,6 @@ class SoloChecks:
         self._ready = [False] * len(self.names)
         self._phase = _IDLE
         self._queued = False  # the end-of-backward check is queued in the running backward
-        self._late_warned = False
         # kept: the parameter holds its node only weakly (see gradient_accumulator)
         self._accumulators = [gradient_accumulator(p) for p in params]
         on_grad = type(self)._on_grad
@@ -81,9 +80,8 @@ class SoloChecks:
     def _on_grad(self, index: int, *_: Any) -> None:
         phase = self._phase
         if phase != _RUNNING:
-            if phase == _FINALIZED and not self._late_warned:
-                self._late_warned = True
-                errors.warn_at_user_code(errors.late_gradient_warning(0, self.names[index]))
+            # a later backward of this iteration (GPipe's microbatches through a pipeline stage,
+            # which runs a group of one's DDP as a plain module) is no error, and torch says nothing
             if phase != _ARMED or _in_compiled_autograd():
                 return
             self._phase = _RUNNING
