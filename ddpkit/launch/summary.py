@@ -10,6 +10,7 @@ import signal
 import socket
 
 from ddpkit.launch.workers import Worker
+from ddpkit.runtime.hangs.report import HANDLED as REPORT_HANDLED
 from ddpkit.runtime.hangs.report import HEADER as REPORT_HEADER
 from ddpkit.runtime.hangs.report import RULE as REPORT_RULE
 from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
@@ -80,6 +81,8 @@ def _hang_report_before(lines: list[str], start: int) -> int:
     report is what says why (which rank left, and where)."""
     end = start - 1
     while end >= 0 and not lines[end].strip():
+        end -= 1
+    if end >= 1 and lines[end].startswith(REPORT_HANDLED):  # the exception a deadlock cut short
         end -= 1
     if end < 1 or lines[end] != REPORT_RULE:
         return start

@@ -109,6 +109,20 @@ def subgroup(rank: int) -> None:
     dist.barrier()  # <- sub-barrier
 
 
+def cleanup_collective(rank: int) -> None:
+    """Rank 1 raises inside the training loop; its finally: block saves a checkpoint (a broadcast)
+    while rank 0 waits in the next gradient all-reduce: a deadlock whose cause is rank 1's error."""
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(4, 2))
+    try:
+        for step in range(3):
+            loss = model(torch.ones(8, 4)).sum()
+            if rank == 1 and step == 1:
+                raise ValueError("a bad batch on rank 1")  # <- cleanup-raise
+            loss.backward()
+    finally:
+        ddpkit.broadcast_object({"step": 1})  # <- cleanup-save
+
+
 def ddp_skips_backward(rank: int) -> None:
     """Rank 1 skips one backward, so its barrier meets rank 0's last gradient bucket."""
     torch.manual_seed(0)

@@ -153,6 +153,20 @@ def test_desync_inside_ddp_backward(tmp_path):
     assert job.seconds < PROMPT
 
 
+def test_a_collective_in_a_finally_block_names_the_exception_being_handled(tmp_path):
+    job = run_job("cleanup_collective", 2, tmp_path, stall_timeout=STALL)
+    # rank 1 prints the exception it was handling and ends as an uncaught one would; rank 0 as a deadlock
+    assert job.codes[1] == 1 and job.codes[0] in (1, HANG_EXIT_CODE), job.log()
+    cause = f"ValueError: a bad batch on rank 1 (raised at {line_of('cleanup-raise')} in cleanup_collective())"
+    for text in job.logs:
+        assert f"at {line_of('cleanup-save')} in cleanup_collective()" in text and f"while handling {cause}" in text
+        assert f"rank 1 is handling {cause}: a collective in its except: or finally: block" in _verdict(text)
+    printed = job.logs[1][job.logs[1].index("ddpkit: this rank was handling the exception below"):]
+    assert 'raise ValueError("a bad batch on rank 1")' in printed and printed.rstrip().endswith(
+        "ValueError: a bad batch on rank 1"), printed
+    assert job.seconds < PROMPT
+
+
 def test_off_with_zero(tmp_path):
     end = time.monotonic() + STALL + 4  # proving an absence takes a while: well past a stall
     job = run_job("spin", 2, tmp_path, stall_timeout=0, stop_when=lambda logs: time.monotonic() > end)

@@ -182,6 +182,9 @@ def test_the_summary_keeps_the_hang_report_printed_just_before_the_traceback():
     error = ["Traceback (most recent call last):", '  File "t.py"', "RuntimeError: Connection closed by peer"]
     assert traceback_tail(["noise", *report, *error]) == [*report, *error]
     assert traceback_tail(["noise", *report, "", *error]) == [*report, "", *error]
+    # a deadlock in a finally: block: the exception the rank was handling, printed after the report
+    handled = "ddpkit: this rank was handling the exception below when the deadlock ended it (exit code 1)"
+    assert traceback_tail(["noise", *report, handled, *error]) == [*report, handled, *error]
     # a report followed by other output is an earlier one: not the cause
     assert traceback_tail([*report, "step 5", *error]) == error
     assert traceback_tail(["noise", rule, "other block", rule, *error]) == error

@@ -22,13 +22,16 @@ from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
 from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, read_settings
 from ddpkit.runtime.hangs.strict import StrictCheck
-from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE, Watchdog
+from ddpkit.runtime.hangs.watchdog import (
+    ANSWER_SECONDS,
+    CONSEQUENCE_FILE_VARIABLE,
+    HANG_EXIT_CODE,
+    Watchdog,
+    peer_gone_error,
+)
 
 __all__ = ["HangWatch", "start", "where_called", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings",
            "read_settings"]
-
-# Phrases of a collective that failed because a peer went away (Gloo's; NCCL's come as DistBackendError)
-_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Read error", "Write error", "Timed out")
 
 
 class HangWatch:
@@ -92,8 +95,7 @@ class HangWatch:
         """A collective raised: if a peer went away, ask everyone at once, so that the report says who
         and where before the error goes on to the script (with ``record`` None, only say whether it
         would). The error is this rank's consequence of another's failure: the launcher is told."""
-        gone = isinstance(error, getattr(dist, "DistBackendError", ())) or (
-            isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE))
+        gone = peer_gone_error(error)
         if gone:
             _mark_consequence()
         if gone and self.watchdog is not None and record is not None:

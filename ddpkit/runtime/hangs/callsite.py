@@ -20,7 +20,7 @@ import torch
 import ddpkit
 from ddpkit.runtime.hangs.report import ISSUERS
 
-__all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site"]
+__all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site", "handled_error", "describe_error"]
 
 Site = tuple  # (filename, lineno, function[, caller's Site or None]): formatted only when a report needs it
 
@@ -107,6 +107,27 @@ def traceback_site(tb) -> Site | None:
             site = (code.co_filename, tb.tb_lineno, code.co_name)
         tb = tb.tb_next
     return site
+
+
+def handled_error(thread_id: int | None) -> BaseException | None:
+    """The exception thread ``thread_id`` is handling now (inside an ``except:`` or ``finally:``
+    block, where cleanup code may call a collective), or None."""
+    current = getattr(sys, "_current_exceptions", None)
+    if thread_id is None or current is None:
+        return None
+    info = current().get(thread_id)
+    return info[1] if isinstance(info, tuple) else info  # Python 3.11: an exc_info tuple
+
+
+def describe_error(error: BaseException) -> str:
+    """``ValueError: bad batch (raised at train.py:9 in <module>)``, on one line."""
+    try:
+        text = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails is still named
+        text = ""
+    site = traceback_site(error.__traceback__)
+    return (type(error).__name__ + (f": {text}" if text else "")
+            + (f" (raised at {format_site(site)})" if site else ""))
 
 
 def format_site(site: Site | None) -> str:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "ISSUERS"]
+__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "HANDLED", "ISSUERS"]
 
 Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
 RULE = "=" * 78
 """The line above and below a report (the launcher's summary finds a report by it and ``HEADER``)."""
 HEADER = "ddpkit hang report ("
+HANDLED = "ddpkit: this rank was handling the exception below when the deadlock ended it"
+"""The line before the traceback a rank prints when a deadlock ends it inside an except: or finally: block."""
 ISSUERS = ("DDP", "SyncBatchNorm")
 """The parts of ddpkit a collective is said to be issued by (``via``); the innermost one on the way wins."""
 
@@ -90,7 +92,10 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
         else:
             item, group = waiting
             line = f"{'was' if item.get('error') else 'waits'} in {_call(item)} [{_group_name(group)}]"
-            ages[line] = max(ages.get(line, 0.0), item["age"])
+        if state.get("handling"):
+            line += f", while handling {state['handling']}"
+        if waiting is not None:
+            ages[line] = max(ages.get(line, 0.0), waiting[0]["age"])
         lines.setdefault(line, []).append(rank)
     text = [f"  {rank_list(ranks)}: {line}" + (f", for {ages[line]:.1f} s" if line in ages else "")
             for line, ranks in sorted(lines.items(), key=lambda kv: min(kv[1]))]
@@ -241,6 +246,9 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     sentences, certain = _judge(answers, missing, answer_seconds)
     if not sentences:
         sentences = ["no rank waits in a collective any more."]
+    sentences += [f"rank {rank} is handling {state['handling']}: a collective in its except: or finally: block "
+                  "(a checkpoint save, a barrier) may be one the other ranks do not call; if so, that exception "
+                  "is the cause to fix." for rank, state in sorted(answers.items()) if state.get("handling")]
     failed = [r for r, state in sorted(answers.items())
               if (waiting := _first_waiting(state)) is not None and waiting[0].get("error")]
     # a rank that went away by itself (not one a report ended) closes its connections, and the
@@ -252,7 +260,9 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
                  f"and the error goes on to the script; a rank still waiting after a moment ends with exit "
                  f"code {exit_code}.")
     elif certain:
-        after = f"a certain deadlock: every rank ends now with exit code {exit_code}."
+        after = f"a certain deadlock: every rank ends now with exit code {exit_code}" + (
+            " (a rank handling an exception prints it and ends with exit code 1)."
+            if any(state.get("handling") for state in answers.values()) else ".")
     elif failed:  # a timed-out collective has raised there: an error, not a slow rank, ends the job
         after = (f"the collective of {rank_list(failed)} failed (above); that error ends the job unless the "
                  "script catches it.")

@@ -16,16 +16,18 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from ddpkit.errors import rank_prefix
-from ddpkit.runtime.hangs.callsite import format_site, thread_site
+from ddpkit.runtime.hangs.callsite import describe_error, format_site, handled_error, thread_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
-from ddpkit.runtime.hangs.report import build_report
+from ddpkit.runtime.hangs.report import HANDLED, build_report
 from ddpkit.runtime.quick_exit import quick_exit
 
-__all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot"]
+__all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot",
+           "peer_gone_error"]
 
 HANG_EXIT_CODE = 86
 """The exit code of every rank of a job that the watchdog ended in a certain deadlock."""
@@ -42,6 +44,28 @@ ANSWER_SECONDS = 5.0
 """How long the reporting rank waits for the others' answers; a rank that exited says so at once."""
 
 
+# Phrases of a collective that failed because a peer went away (Gloo's; NCCL's come as DistBackendError)
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Read error", "Write error", "Timed out")
+
+
+def peer_gone_error(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's failure because a peer went away: a consequence."""
+    backend_error = getattr(sys.modules.get("torch.distributed"), "DistBackendError", ())
+    return isinstance(error, backend_error) or (
+        isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE))
+
+
+def cause_being_handled(main_thread: int | None) -> BaseException | None:
+    """The exception the main thread is handling, past collectives' failures (the consequences of a
+    peer's exit, which the report explains): for a ``finally:`` block's collective that failed when
+    a peer ended, the exception that block was handling, which the failure carries as its context."""
+    error, seen = handled_error(main_thread), set()
+    while error is not None and id(error) not in seen and peer_gone_error(error):
+        seen.add(id(error))
+        error = error.__context__
+    return None if error is None or id(error) in seen else error
+
+
 def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str | None = None) -> dict[str, Any]:
     """This rank's state as published: its groups' outstanding and recent collectives, and where
     its main thread is (what matters when it waits in no collective), unless ``where`` says."""
@@ -49,8 +73,10 @@ def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str 
     now = time.monotonic()
     frame = sys._current_frames().get(main_thread) if main_thread is not None and where is None else None
     user, top = thread_site(frame)
+    handling = cause_being_handled(main_thread)
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
             "where": where or (format_site(user) if user else None), "top": format_site(top) if top else None,
+            "handling": None if handling is None else describe_error(handling),
             "groups": [log.snapshot(now) for log in recorder.groups()]}
 
 
@@ -175,7 +201,21 @@ class Watchdog(threading.Thread):
                                     "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
         except Exception:  # noqa: BLE001 - the store may be gone with the job
             pass
-        quick_exit(HANG_EXIT_CODE)
+        quick_exit(self._show_handled_error())
+
+    def _show_handled_error(self) -> int:
+        """The exit code: ``HANG_EXIT_CODE``, or 1 where the main thread was handling an exception
+        (its ``finally:`` block's collective deadlocked): that exception, the cause, is printed first,
+        as it would have been, and the launcher's summary leads with it."""
+        error = cause_being_handled(self.main_thread)
+        if error is None:
+            return HANG_EXIT_CODE
+        prefix = rank_prefix(self.rank)
+        text = (f"{HANDLED} (exit code 1, as for an uncaught exception):\n"
+                + "".join(traceback.format_exception(error)).rstrip("\n"))
+        sys.stderr.write(prefix + text.replace("\n", "\n" + prefix) + "\n")
+        sys.stderr.flush()
+        return 1
 
     def _store_lost(self, error: Exception) -> None:
         """Without the store there is no inquiry: at the end of a job, when the rank that hosts it has
