@@ -34,6 +34,7 @@ from ddpkit.runtime.port_holder import describe_holder
 __all__ = ["NodeRendezvous"]
 
 _POLL = 0.05
+_FIRST_NOTICE, _NOTICE_EVERY = 15.0, 60.0  # seconds: when a node waiting for the others says so
 _VERBS = {"joined": "join", "arrived": "arrive"}
 _READ_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the job ended
 
@@ -139,10 +140,17 @@ class NodeRendezvous:
         """Wait until ``counter`` reaches nnodes; ``marker`` names each node's own key, for messages."""
         cfg, store = self._config, self._store
         assert store is not None
+        start = notice = time.monotonic()
         while store.add(counter, 0) < cfg.nnodes:
             self._check_abandoned(abort, deadline, what, verb, marker)
             if self._server is not None:
                 self._intruders = tell_of_intruders(self._server, self._intruders, self._address, say)
+            if time.monotonic() - notice >= (_FIRST_NOTICE if notice == start else _NOTICE_EVERY):
+                notice = time.monotonic()
+                missing = [r for r in range(cfg.nnodes) if not store.check([marker.format(r)])]
+                say(f"ddpkit run: waiting for node rank(s) {_ranks(missing)} to {what} at {self._address} "
+                    f"({notice - start:.0f} s so far; this node gives up after {cfg.rdzv_timeout:g} s, "
+                    "--rdzv-timeout)")
             time.sleep(_POLL)
 
     def _check_abandoned(self, abort: Callable[[], bool], deadline: float, what: str, verb: str,
