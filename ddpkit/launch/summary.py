@@ -107,10 +107,12 @@ def failure_info(worker: Worker, node_rank: int) -> dict:
 
 
 def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
-                    log_file: str | None) -> str:
-    """The block printed to stderr when a worker on this node failed."""
+                    log_file: str | None, restart: str | None = None) -> str:
+    """The block printed to stderr when a worker on this node failed; ``restart``: the restart that
+    follows (``1 of at most 3``), where the job goes on."""
     place = failed.place
-    lines = [_RULE, "ddpkit run: the job failed", _RULE,
+    title = "the job failed" if restart is None else f"attempt failed; restart {restart} follows"
+    lines = [_RULE, f"ddpkit run: {title}", _RULE,
              f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
              f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0)}"]
     also = [w for w in workers if w.state == "failed" and w is not failed]

@@ -371,6 +371,8 @@ def test_restart_increments_the_restart_count(job, tmp_path):
                            WORKER, str(tmp_path), "fail-once", "1")
     assert code == 0, err
     assert "restarting all workers: restart 1 of at most 2" in err
+    # the failed attempt's summary says a restart follows: the job did not fail
+    assert "ddpkit run: attempt failed; restart 1 of at most 2 follows" in err and "the job failed" not in err
     assert {r: v["restart_count"] for r, v in job.results().items()} == {0: "1", 1: "1"}
     assert_all_gone(job.pids())
 
