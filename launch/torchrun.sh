@@ -9,6 +9,8 @@
 # NPROC (default gpu if nvidia-smi sees one, else 2), NNODES (default 1), NODE_RANK (default 0),
 # MASTER_ADDR / MASTER_PORT (several nodes only; default port 29500), PYTHON (default python3).
 # 'ddpkit run' takes the same flags; swap 'python -m torch.distributed.run' for 'python -m ddpkit run'.
+# On several nodes of a shared cluster, give each run its own --rdzv-id (or use launch/multi_node.sh,
+# which requires JOB_ID): two unnamed runs on one MASTER_PORT cannot be told apart, under either launcher.
 set -euo pipefail
 
 if [[ -z "${NPROC:-}" ]]; then
