@@ -109,6 +109,21 @@ def subgroup(rank: int) -> None:
     dist.barrier()  # <- sub-barrier
 
 
+def dead_thread(rank: int) -> None:
+    """Rank 1's data thread dies of an exception; its main thread waits for the queue it fed."""
+    import queue
+
+    feed: queue.Queue = queue.Queue()
+
+    def produce() -> None:
+        if rank == 1:
+            raise RuntimeError("the data thread of rank 1 died")  # <- thread-raise
+        feed.put(torch.ones(4))
+
+    threading.Thread(target=produce, name="data-feeder", daemon=True).start()
+    dist.all_reduce(feed.get())  # <- thread-wait
+
+
 def cleanup_collective(rank: int) -> None:
     """Rank 1 raises inside the training loop; its finally: block saves a checkpoint (a broadcast)
     while rank 0 waits in the next gradient all-reduce: a deadlock whose cause is rank 1's error."""

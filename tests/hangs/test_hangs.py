@@ -167,6 +167,18 @@ def test_a_collective_in_a_finally_block_names_the_exception_being_handled(tmp_p
     assert job.seconds < PROMPT
 
 
+def test_a_thread_that_died_of_an_exception_is_named_with_it(tmp_path):
+    job = run_job("dead_thread", 2, tmp_path, stall_timeout=STALL, deadline=PROMPT + 5, stop_when=_reported)
+    assert job.codes == [None, None], job.log()  # not certain: the job goes on, and the test stops it
+    died = ("thread 'data-feeder' died with RuntimeError: the data thread of rank 1 died (raised at "
+            f"{line_of('thread-raise')} in produce())")
+    for text in job.logs:
+        assert f"at {line_of('thread-wait')} in dead_thread()" in text and f"; its {died}" in text
+        assert f"rank 1's {died}: if rank 1 waits for what that thread was doing" in _verdict(text)
+        assert "a rank waiting for a thread that died never arrives" in text
+    assert job.seconds < PROMPT
+
+
 def test_off_with_zero(tmp_path):
     end = time.monotonic() + STALL + 4  # proving an absence takes a while: well past a stall
     job = run_job("spin", 2, tmp_path, stall_timeout=0, stop_when=lambda logs: time.monotonic() > end)

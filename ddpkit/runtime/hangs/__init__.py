@@ -12,12 +12,13 @@ import atexit
 import contextlib
 import os
 import sys
+import threading
 import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from ddpkit.runtime.hangs.callsite import call_site, format_site, traceback_site
+from ddpkit.runtime.hangs.callsite import call_site, describe_error, format_site, traceback_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
 from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, read_settings
@@ -54,7 +55,18 @@ class HangWatch:
         self.recorder.install()
         if self.watchdog is not None:
             self.watchdog.start()
+            self._previous_excepthook = threading.excepthook
+            threading.excepthook = self._thread_died
         atexit.register(self._at_exit)
+
+    def _thread_died(self, args: threading.ExceptHookArgs) -> None:
+        """A thread ended with an uncaught exception: the report names it (a main thread waiting for
+        a queue that thread fed waits for ever), then Python's own hook prints it."""
+        if self.watchdog is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            name = args.thread.name if args.thread is not None else "?"
+            self.watchdog.dead_threads = [*self.watchdog.dead_threads[-2:],
+                                          f"thread '{name}' died with {describe_error(args.exc_value)}"]
+        self._previous_excepthook(args)
 
     def end(self, how: str = "shutdown", where: str | None = None, error: str | None = None) -> None:
         """Leave the job: the last word first (the others may be waiting for this rank), then unwrap."""
@@ -66,6 +78,8 @@ class HangWatch:
             pass
         if self.watchdog is not None:
             self.watchdog.stop()
+            if threading.excepthook == self._thread_died:
+                threading.excepthook = self._previous_excepthook
         self.recorder.uninstall()
         self.recorder.forget()
 

@@ -94,6 +94,8 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
             line = f"{'was' if item.get('error') else 'waits'} in {_call(item)} [{_group_name(group)}]"
         if state.get("handling"):
             line += f", while handling {state['handling']}"
+        for dead in state.get("dead_threads") or ():
+            line += f"; its {dead}"
         if waiting is not None:
             ages[line] = max(ages.get(line, 0.0), waiting[0]["age"])
         lines.setdefault(line, []).append(rank)
@@ -249,6 +251,9 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     sentences += [f"rank {rank} is handling {state['handling']}: a collective in its except: or finally: block "
                   "(a checkpoint save, a barrier) may be one the other ranks do not call; if so, that exception "
                   "is the cause to fix." for rank, state in sorted(answers.items()) if state.get("handling")]
+    sentences += [f"rank {rank}'s {dead}: if rank {rank} waits for what that thread was doing (a queue it fed, "
+                  "a lock it held), that wait never ends; the thread's exception is the cause to fix."
+                  for rank, state in sorted(answers.items()) for dead in state.get("dead_threads") or ()]
     failed = [r for r, state in sorted(answers.items())
               if (waiting := _first_waiting(state)) is not None and waiting[0].get("error")]
     # a rank that went away by itself (not one a report ended) closes its connections, and the
@@ -266,6 +271,9 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     elif failed:  # a timed-out collective has raised there: an error, not a slow rank, ends the job
         after = (f"the collective of {rank_list(failed)} failed (above); that error ends the job unless the "
                  "script catches it.")
+    elif any(state.get("dead_threads") for state in answers.values()):
+        after = ("the job goes on (this may be a slow rank), but a rank waiting for a thread that died never "
+                 "arrives: if so, stop the job and fix that thread's exception.")
     else:
         after = "slow is not wrong: the job goes on; another report follows if this changes."
     text = "\n".join([RULE, f"{HEADER}stall_timeout={stall_timeout:g} s, collected by rank "

@@ -66,9 +66,11 @@ def cause_being_handled(main_thread: int | None) -> BaseException | None:
     return None if error is None or id(error) in seen else error
 
 
-def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str | None = None) -> dict[str, Any]:
-    """This rank's state as published: its groups' outstanding and recent collectives, and where
-    its main thread is (what matters when it waits in no collective), unless ``where`` says."""
+def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str | None = None,
+             dead_threads: list[str] | None = None) -> dict[str, Any]:
+    """This rank's state as published: its groups' outstanding and recent collectives, where its
+    main thread is (what matters when it waits in no collective) unless ``where`` says, the
+    exception it is handling, and its threads that died of an exception."""
     recorder.poll_works()
     now = time.monotonic()
     frame = sys._current_frames().get(main_thread) if main_thread is not None and where is None else None
@@ -77,6 +79,7 @@ def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str 
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
             "where": where or (format_site(user) if user else None), "top": format_site(top) if top else None,
             "handling": None if handling is None else describe_error(handling),
+            "dead_threads": list(dead_threads or ()),
             "groups": [log.snapshot(now) for log in recorder.groups()]}
 
 
@@ -96,6 +99,7 @@ class Watchdog(threading.Thread):
         self._last_picture: str | None = None
         self._warned = False
         self.where: str | None = None  # what the main thread is doing, when a frame would not say
+        self.dead_threads: list[str] = []  # this rank's threads that ended with an exception (HangWatch)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -141,7 +145,8 @@ class Watchdog(threading.Thread):
     def _take_part(self, n: int) -> None:
         self._answered, self._last_inquiry = n, time.monotonic()
         answered_at = self._progress()
-        leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread, self.where))
+        leads = self.inquiry.answer(n, snapshot(self.recorder, self.rank, self.main_thread, self.where,
+                                                self.dead_threads))
         report = None if leads else self.inquiry.wait_report(n, ANSWER_SECONDS + 3)
         if report is None:
             answers, missing = self.inquiry.collect(n, ANSWER_SECONDS)
