@@ -20,7 +20,8 @@ from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime import direct
 from ddpkit.runtime.comm import all_gather_object, comm_device
-from ddpkit.runtime.hangs.recorder import release_finished
+from ddpkit.runtime.hangs.recorder import release_finished, wait_failed
+from ddpkit.runtime.hangs.watchdog import peer_gone_error
 
 __all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]
 
@@ -129,9 +130,14 @@ class Collectives:
         Returns:
             The all-reduced used map (or None), and whether some rank lacked gradients.
         """
-        tail = self.wait_with_tail(works, used_map, missing, into)
-        if used_map is not None:
-            tail[1].wait()
+        try:
+            tail = self.wait_with_tail(works, used_map, missing, into)
+            if used_map is not None:
+                tail[1].wait()
+        except Exception as e:
+            if peer_gone_error(e):  # the hang report first (who went away, and where), then the error
+                wait_failed(e)
+            raise
         release_finished(self.group)  # before zero_grad may free the gradients the Works hold
         if used_map is not None:
             return tail[0], False

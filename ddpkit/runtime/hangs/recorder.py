@@ -21,7 +21,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ddpkit.runtime.hangs.callsite import Site, call_site, format_site
 
-__all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "release_finished"]
+__all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "release_finished", "wait_failed"]
 
 # op -> (the argument whose dtype and shape describe the call, the argument naming a root rank)
 COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
@@ -48,6 +48,17 @@ def release_finished(group: Any = None) -> None:
         log = recorder.logs.get(group)
         if log is not None and log.pending:
             log.settle(time.monotonic())
+
+
+def wait_failed(error: BaseException) -> None:
+    """A DDP's ``Work.wait()`` raised, past the wrapper: pin ``error`` on the latest async collective
+    and hand it to the ``failed`` hook, which asks the other ranks at once where a peer went away,
+    so that the report comes before the error leaves ``backward()`` (not only at exit)."""
+    for recorder in _INSTALLED:
+        recorder.blame_async(error)
+        record = recorder.latest_failed()
+        if recorder.failed is not None and record is not None:
+            recorder.failed(record, error)
 
 
 def _short_error(error: BaseException) -> str:
