@@ -68,10 +68,11 @@ class NodeRendezvous:
                                              wait_for_workers=False)
             except (RuntimeError, OSError) as e:
                 raise self._error(explain(
-                    f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}. Another process, "
-                    f"probably another job, holds it{describe_holder(cfg.master_port)}.",
-                    f"{PORT_FIX}: give this run another --master-port, or start it under srun/mpirun, "
-                    "which derive one per job.")) from e
+                    f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}. Another process "
+                    f"holds it{describe_holder(cfg.master_port)}: another job, or another node of this run "
+                    "started with --node-rank 0 too.",
+                    f"if that is this run's, give every node its own --node-rank; else {PORT_FIX}: give this "
+                    "run another --master-port, or start it under srun/mpirun, which derive one per job.")) from e
             claim(self._server, self._me)
         self._store = self._connect(deadline, abort)
         store = self._store

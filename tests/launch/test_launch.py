@@ -461,6 +461,29 @@ def test_a_node_waiting_for_the_others_says_whom_it_waits_for_before_it_gives_up
 
 
 @pytest.mark.timeout(60)
+def test_a_second_node_0_on_the_port_is_told_that_it_may_be_this_runs(job, tmp_path):
+    port = _free_port()
+    first = job.start(*_node(0, port, "--rdzv-timeout", "4", "--rdzv-id", "j1"), WORKER, str(tmp_path), "block")
+    _wait_listening(port)
+    second = job.start(*_node(0, port, "--rdzv-timeout", "4", "--rdzv-id", "j1"), WORKER, str(tmp_path), "block")
+    err = second.communicate(timeout=30)[1]
+    first.communicate(timeout=30)
+    assert second.returncode == 1, err
+    assert (f"node 0 cannot host the rendezvous on port {port}" in err and "another job, or another node of "
+            "this run started with --node-rank 0 too" in err and "give every node its own --node-rank" in err), err
+
+
+def _wait_listening(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
+
+
+@pytest.mark.timeout(60)
 def test_an_unnamed_run_says_so_and_a_taken_node_rank_may_be_another_runs(job, tmp_path):
     port = _free_port()
     nodes = [job.start(*_node(rank, port, "--rdzv-timeout", "5"), WORKER, str(tmp_path), "block")
