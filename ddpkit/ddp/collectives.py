@@ -20,7 +20,7 @@ from ddpkit.ddp.profiling import bucket_range
 from ddpkit.errors import CommHookError, explain
 from ddpkit.runtime import direct
 from ddpkit.runtime.comm import all_gather_object, comm_device
-from ddpkit.runtime.hangs.recorder import release_finished, wait_failed
+from ddpkit.runtime.hangs.after_wait import release_finished, wait_failed
 from ddpkit.runtime.hangs.watchdog import peer_gone_error
 
 __all__ = ["CommHook", "Collectives", "SPLIT_BUCKET_BYTES"]

@@ -21,7 +21,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ddpkit.runtime.hangs.callsite import Site, call_site, format_site
 
-__all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "release_finished", "wait_failed"]
+__all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "INSTALLED"]
 
 # op -> (the argument whose dtype and shape describe the call, the argument naming a root rank)
 COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
@@ -32,33 +32,7 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "all_to_all_single": ("input", None), "barrier": (None, None),
 }
 _RING = 64
-_INSTALLED: list[Recorder] = []  # the recorders wrapping torch's collectives now (one per process)
-
-
-def release_finished(group: Any = None) -> None:
-    """Let go now of ``group``'s completed async Works, which hold their tensors.
-
-    Called by ddpkit's DDP once it has waited for its collectives. Left to the next collective, a
-    gradient reduced in place stayed alive into the next backward, past ``zero_grad(set_to_none=True)``,
-    and the new one was allocated beside it; on the embedding bench model (a 16 MiB gradient) the heap
-    then went back and forth to the kernel, 4,000 page faults a step and 1.04-1.17x torch's step time
-    in some launches. See Note [Gradient memory] in docs/design.md.
-    """
-    for recorder in _INSTALLED:
-        log = recorder.logs.get(group)
-        if log is not None and log.pending:
-            log.settle(time.monotonic())
-
-
-def wait_failed(error: BaseException) -> None:
-    """A DDP's ``Work.wait()`` raised, past the wrapper: pin ``error`` on the latest async collective
-    and hand it to the ``failed`` hook, which asks the other ranks at once where a peer went away,
-    so that the report comes before the error leaves ``backward()`` (not only at exit)."""
-    for recorder in _INSTALLED:
-        recorder.blame_async(error)
-        record = recorder.latest_failed()
-        if recorder.failed is not None and record is not None:
-            recorder.failed(record, error)
+INSTALLED: list[Recorder] = []  # the recorders wrapping torch's collectives now (one per process)
 
 
 def _short_error(error: BaseException) -> str:
@@ -183,8 +157,8 @@ class Recorder:
             setattr(c10d, op, wrapper)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapper)
-        if self not in _INSTALLED:
-            _INSTALLED.append(self)
+        if self not in INSTALLED:
+            INSTALLED.append(self)
 
     def uninstall(self) -> None:
         for op, original in self._originals.items():
@@ -192,8 +166,8 @@ class Recorder:
                 if getattr(getattr(module, op, None), "__ddpkit_recorder__", None) is self:
                     setattr(module, op, original)
         self._originals.clear()
-        if self in _INSTALLED:
-            _INSTALLED.remove(self)
+        if self in INSTALLED:
+            INSTALLED.remove(self)
 
     def forget(self) -> None:
         """Let go of the groups, their records and the hooks, at the group's end: a record's Work and
