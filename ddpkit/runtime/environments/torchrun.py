@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT, DistEnv
+from ddpkit.runtime.environments.mpi import MPI_FLAVOURS
 from ddpkit.runtime.environments.variables import (
     check_local_size,
     check_rank,
@@ -106,9 +107,7 @@ def from_torchrun(environ: Mapping[str, str]) -> DistEnv | None:
 
 
 # the rank and size variables of the schedulers ddpkit also reads (SLURM, MPI flavours)
-_SCHEDULER_RANKS = (("SLURM_PROCID", "SLURM_NTASKS"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-                    ("PMIX_RANK", "PMIX_SIZE"))
+_SCHEDULER_RANKS = (("SLURM_PROCID", "SLURM_NTASKS"), *((rank, size) for rank, size, _, _ in MPI_FLAVOURS))
 
 # torchrun's variables that, above these values, say the process is one of several
 _SEVERAL = {"LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0, "GROUP_WORLD_SIZE": 1}
