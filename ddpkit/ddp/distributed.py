@@ -33,7 +33,7 @@ from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH, not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
-from ddpkit.ddp.outputs import find_tensors, to_device
+from ddpkit.ddp.outputs import backward_entries, find_tensors, to_device
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
@@ -270,10 +270,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
                     warn_if_all_used(self.reducer.rank)
             # the hooks say where backward ends: look into a plain output object too (torch's
             # search above does not, and find_unused_parameters keeps its answer)
-            hooked = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]
-            for t in hooked:
-                if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
-                    t.register_hook(self.reducer.output_gradient_hook())
+            for t in backward_entries(output, outputs):
+                t.register_hook(self.reducer.output_gradient_hook())
         else:
             self.require_forward_param_sync = False
             self.reducer.prepare_for_local_backward()

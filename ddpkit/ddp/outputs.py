@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ddpkit.dp.nested import map_tensors, tensors
 
-__all__ = ["find_tensors", "to_device", "unreached_parameters"]
+__all__ = ["find_tensors", "backward_entries", "to_device", "unreached_parameters"]
 
 
 def find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
@@ -23,6 +23,17 @@ def find_tensors(obj: Any, attributes: bool = False) -> Iterator[torch.Tensor]:
             yield from tensors(value, every_field=True)
     else:
         yield from tensors(obj, every_field=True)
+
+
+def backward_entries(output: Any, outputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors of a forward's ``output`` that a backward through it starts from, for a gradient
+    hook that says where that backward ends: those that require a gradient (``outputs``, when the
+    caller has them), else those a plain output object holds; never a leaf, on which a hook would
+    stay for good."""
+    if outputs is None:
+        outputs = [t for t in find_tensors(output) if t.requires_grad]
+    found = outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]
+    return [t for t in found if t.grad_fn is not None]
 
 
 def _is_plain_object(obj: Any) -> bool:

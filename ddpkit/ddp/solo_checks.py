@@ -20,13 +20,13 @@ import torch
 
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
-from ddpkit.ddp.outputs import find_tensors
+from ddpkit.ddp.outputs import backward_entries
 from ddpkit.ddp.python_reducer import python_reducer_requested
 from ddpkit.runtime.process_group import current_env
 
 __all__ = ["SoloChecks", "solo_checks_for"]
 
-_IDLE, _ARMED, _RUNNING, _FINALIZED = range(4)
+_IDLE, _ARMED, _RUNNING = range(3)  # after a backward: idle until the next synced forward arms the count
 
 
 class SoloChecks:
@@ -49,7 +49,7 @@ class SoloChecks:
         """Before a synced forward: a backward that began must have ended (it raised midway,
         and the script caught it), as the reducer says once at that forward."""
         if self._phase == _RUNNING:
-            self._reset(_IDLE)
+            self._reset()
             raise self.logger.logged(errors.unfinished_backward_error(0))
 
     def prepare_for_backward(self, synced: bool, output: Any) -> None:
@@ -62,15 +62,13 @@ class SoloChecks:
             self._phase = _IDLE
             return
         self._phase = _ARMED
-        outputs = [t for t in find_tensors(output) if t.requires_grad]
-        for t in outputs or [t for t in find_tensors(output, attributes=True) if t.requires_grad]:
-            if t.grad_fn is not None:  # a hook on a leaf would stay on it for good
-                t.register_hook(self._on_output_grad)
+        for t in backward_entries(output):
+            t.register_hook(self._on_output_grad)
 
     def disable(self) -> None:
         """The checks end: the graph was declared static, or a reducer now runs (a comm hook)."""
         self.enabled = False
-        self._reset(_IDLE)
+        self._reset()
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if self._phase == _ARMED and not self._queued and not _in_compiled_autograd():
@@ -90,7 +88,7 @@ class SoloChecks:
                 queue_end_of_backward_callback(self._finish)
         ready = self._ready
         if ready[index]:
-            self._reset(_IDLE)
+            self._reset()
             raise self.logger.logged(errors.second_gradient_error(0, self.names[index], True))
         ready[index] = True
 
@@ -101,13 +99,13 @@ class SoloChecks:
         if self._phase != _RUNNING:
             return
         missing = [name for name, ready in zip(self.names, self._ready) if not ready]
-        self._reset(_FINALIZED)
+        self._reset()
         if missing:
             raise self.logger.logged(errors.unused_gradient_error(0, [(0, missing)], False))
 
-    def _reset(self, phase: int) -> None:
+    def _reset(self) -> None:
         self._ready = [False] * len(self.names)
-        self._phase = phase
+        self._phase = _IDLE
 
 
 def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -> SoloChecks | None:
