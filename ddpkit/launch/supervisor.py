@@ -226,10 +226,7 @@ class Supervisor:
     def stop_workers(self, workers: list[Worker], sig: int, settle: float = 0.0) -> None:
         """``sig`` to every running worker's tree, SIGKILL after the grace period, then no leftovers;
         ``settle``: seconds to let them end by themselves first (``PEER_EXIT_WAIT``)."""
-        deadline = time.monotonic() + settle
-        while (any(w.process.poll() is None for w in workers) and time.monotonic() < deadline
-               and not self._handle_signals()):
-            time.sleep(0.02)
+        self._wait_for_exit(workers, settle)
         for worker in workers:
             _settle(worker)  # one that ended by itself before we signal it was not stopped by us
         running = [w for w in workers if w.process.poll() is None]
@@ -238,11 +235,7 @@ class Supervisor:
                  f"{self.config.grace_period:g} s (Ctrl-C: at once)")
         for worker in running:
             signal_worker(worker, sig)
-        deadline = time.monotonic() + self.config.grace_period
-        while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
-            if self._handle_signals():
-                break  # Ctrl-C while stopping: do not wait out the grace period
-            time.sleep(0.02)
+        self._wait_for_exit(running, self.config.grace_period)
         kill_leftovers(workers, self._keep)
         for worker in workers:
             if worker.state == "running":
@@ -253,6 +246,15 @@ class Supervisor:
             if not worker.pump.join(timeout=2.0):
                 _say(f"rank {worker.rank}'s output pipe is still held open by a process outside "
                      "its tree; not waiting for it")
+
+    def _wait_for_exit(self, workers: list[Worker], seconds: float) -> None:
+        """Until every one of ``workers`` has ended, ``seconds`` have passed, or a stopping signal came
+        (Ctrl-C while stopping: do not wait out the grace period)."""
+        deadline = time.monotonic() + seconds
+        while any(w.process.poll() is None for w in workers) and time.monotonic() < deadline:
+            if self._handle_signals():
+                return
+            time.sleep(0.02)
 
     # ------------------------------------------------------------------------------------- signals
     def _handle_signals(self) -> bool:
