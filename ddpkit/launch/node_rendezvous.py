@@ -148,7 +148,7 @@ class NodeRendezvous:
                 self._intruders = tell_of_intruders(self._server, self._intruders, self._address, say)
             if time.monotonic() - notice >= (_FIRST_NOTICE if notice == start else _NOTICE_EVERY):
                 notice = time.monotonic()
-                missing = [r for r in range(cfg.nnodes) if not store.check([marker.format(r)])]
+                missing = self._arrived(marker)[1]
                 say(f"ddpkit run: waiting for node rank(s) {_ranks(missing)} to {what} at {self._address} "
                     f"({notice - start:.0f} s so far; this node gives up after {cfg.rdzv_timeout:g} s, "
                     "--rdzv-timeout)")
@@ -186,11 +186,15 @@ class NodeRendezvous:
         if self._registered and self._config.node_rank != 0:
             self._store.add(read_key("abort"), 1)  # type: ignore[union-attr]
 
+    def _arrived(self, marker: str) -> tuple[list[int], list[int]]:
+        """The node ranks whose ``marker`` key is in the store, and those whose is not."""
+        assert self._store is not None
+        present = [r for r in range(self._config.nnodes) if self._store.check([marker.format(r)])]
+        return present, [r for r in range(self._config.nnodes) if r not in present]
+
     def _missing_message(self, what: str, verb: str, marker: str) -> str:
-        cfg, store = self._config, self._store
-        assert store is not None
-        present = [r for r in range(cfg.nnodes) if store.check([marker.format(r)])]
-        missing = [r for r in range(cfg.nnodes) if r not in present]
+        cfg = self._config
+        present, missing = self._arrived(marker)
         return explain(
             f"rendezvous at {self._address} timed out after {cfg.rdzv_timeout:g} s waiting for the "
             f"nodes to {what}: {len(present)} of {cfg.nnodes} nodes {verb} (node ranks {_ranks(present)}); "
