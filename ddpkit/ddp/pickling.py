@@ -43,10 +43,11 @@ class PicklingSupport(nn.Module):
         self._join_group(default_group())
         self.reducer = None
         self.logger = DDPLogger(self)
+        # a world of one has no reducer to refuse a module without trained parameters
+        named = self._parameters_to_reduce(delayed_too=self.world_size == 1)
         if self.world_size > 1:  # as the constructor chooses
-            named = self._parameters_to_reduce()
             self._python_reducer = python_reducer_for(self, [p for _, p in named])
             if self._python_reducer is None:
                 self.reducer = self._make_reducer(named)
-        self._solo = solo_checks_for(self, self._parameters_to_reduce(delayed_too=True))
+        self._solo = solo_checks_for(self, named)
         self._log_construction()
