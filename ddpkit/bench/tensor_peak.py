@@ -9,6 +9,7 @@ since the profiler's own buffers would move the RSS figure.
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -42,6 +43,7 @@ def tensor_peak(kind: str, model: str, quick: bool, device: torch.device, view: 
     warm = make_stepper(kind, model, quick, device)  # imports and first-call allocations: not ours
     warm()
     del warm
+    gc.collect()  # a cycle freed inside the window would be a block the profiler never saw allocated
     with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step = make_stepper(kind, model, quick, device, set_to_none=False, gradient_as_bucket_view=view)
         for _ in range(steps):
