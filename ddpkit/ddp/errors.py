@@ -22,7 +22,7 @@ from ddpkit.errors import (
     explain,
 )
 
-__all__ = ["not_a_module_error", "warn_if_create_graph", "late_gradient_warning", "warn_at_user_code",
+__all__ = ["not_a_module_error", "warn_create_graph", "late_gradient_warning", "warn_at_user_code",
            "FIND_UNUSED_WITH_STATIC_GRAPH",
            "second_gradient_error", "static_graph_changed_error",
            "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
@@ -82,17 +82,18 @@ def warn_if_all_used(rank: int) -> None:
 _create_graph_warned = [False]
 
 
-def warn_if_create_graph(rank: int, grad: torch.Tensor | None) -> None:
-    """Once, where backward(create_graph=True) made gradients that carry a graph: DDP averages them,
-    not their graph."""
-    if grad is not None and grad.requires_grad and not _create_graph_warned[0]:
+def warn_create_graph(rank: int) -> None:
+    """Once, where backward(create_graph=True) made gradients that carry a graph: DDP averages their
+    values, not their graph (see ``ddpkit.ddp.create_graph``)."""
+    if not _create_graph_warned[0]:
         _create_graph_warned[0] = True
         warn_at_user_code(explain(
             "Using DistributedDataParallel with create_graph=True is not well-supported. The higher-order "
-            "gradient will not be synchronized across ranks: the .grad values are averaged, but the graph "
-            "they carry is this rank's own, so a loss built from them (a gradient penalty) differentiates "
-            "the local gradient.", "compute higher-order terms with torch.autograd.grad(..., create_graph=True) "
-            "on the local loss, outside DDP's backward, or all-reduce them yourself.", who=_DDP, rank=rank))
+            "gradient will not be synchronized across ranks: each .grad holds the average over ranks, but "
+            "the graph it carries is this rank's own share (the local gradient's, times 1 / world size), so "
+            "a loss built from it (a gradient penalty) differentiates that share only.",
+            "compute higher-order terms with torch.autograd.grad(..., create_graph=True) on the local loss, "
+            "outside DDP's backward, and all-reduce them yourself.", who=_DDP, rank=rank))
 
 
 def warn_at_user_code(message: str, category: type[Warning] = UserWarning) -> None:

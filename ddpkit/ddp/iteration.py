@@ -22,6 +22,8 @@ class Phase(enum.Enum):
     ARMED: a synced forward ran; its backward has reached neither its outputs nor a parameter.
     QUEUED: backward reached an output of a synced forward; ``finalize_backward`` runs at its end.
     REDUCING: a parameter's hook fired (the wait is queued); buckets may have launched.
+    HELD: a parameter's hook fired in a ``backward(create_graph=True)``: nothing launches, the
+        parameters are counted in at its end, or refused there if a gradient carries a graph.
     FINALIZED: averaged and written back, no forward since; a gradient now is late (warned once).
     """
 
@@ -29,6 +31,7 @@ class Phase(enum.Enum):
     ARMED = "armed"
     QUEUED = "queued"
     REDUCING = "reducing"
+    HELD = "held"
     FINALIZED = "finalized"
 
     def on_new_buckets(self) -> Phase:
@@ -59,7 +62,7 @@ class Iteration:
 
     __slots__ = ("phase", "window_start", "late_warned", "counting", "tolerant", "hooks_left", "scale",
                  "ready", "used", "copied", "pending", "next_bucket", "works", "bucket_of", "big_slot",
-                 "record")
+                 "record", "held")
 
     def __init__(self, layout: BucketLayout, usage: ParameterUsage, iterations: int, scale: float,
                  phase: Phase = Phase.IDLE, previous: Iteration | None = None):
@@ -80,6 +83,7 @@ class Iteration:
         self.bucket_of = layout.bucket_of
         self.big_slot = layout.big_slot
         self.record = layout.record  # the gradient-ready order, while a rebuild is to come
+        self.held: list[int] = []  # HELD: the parameters whose hooks fired, in order
 
     # ---- phase transitions ---------------------------------------------------------------------
     def arm(self, forward: int) -> None:
@@ -95,7 +99,7 @@ class Iteration:
     @property
     def running(self) -> bool:
         """A backward of this iteration is under way (it reached an output or a parameter)."""
-        return self.phase is Phase.QUEUED or self.phase is Phase.REDUCING
+        return self.phase is Phase.QUEUED or self.phase is Phase.REDUCING or self.phase is Phase.HELD
 
     def reach_output(self) -> bool:
         """Backward reached an output of a synced forward; True: queue the wait now."""
@@ -109,6 +113,16 @@ class Iteration:
         queue = self.phase is Phase.ARMED
         self.phase = Phase.REDUCING
         return queue
+
+    def hold(self) -> None:
+        """A ``backward(create_graph=True)`` began: its gradients are looked at before any launch."""
+        self.phase = Phase.HELD
+
+    def release(self) -> list[int]:
+        """The held backward ended with plain gradients: reduce them now, in their order."""
+        held, self.held = self.held, []
+        self.phase = Phase.REDUCING
+        return held
 
     def rearm(self) -> None:
         """A backward ended (or failed) before reaching a parameter: still armed, nothing queued."""

@@ -29,6 +29,7 @@ from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import ONE_BLOCK_DEVICES, BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
 from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
+from ddpkit.ddp.create_graph import join_graphs, set_aside
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.outputs import unreached_parameters
@@ -39,7 +40,7 @@ from ddpkit.ddp.usage import ParameterUsage
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
 
 # module globals for the hot path: Phase.REDUCING, looked up on the enum class each time, costs several times more
-_IDLE, _REDUCING, _FINALIZED = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED
+_IDLE, _REDUCING, _FINALIZED, _HELD = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED, Phase.HELD
 
 
 class Reducer(ReducerConfig):
@@ -110,7 +111,7 @@ class Reducer(ReducerConfig):
     def prepare_for_forward(self) -> None:
         """Called before a synced forward: a backward that began must have finished."""
         it = self._iteration
-        if it.phase is Phase.REDUCING:  # its collectives finish before the buckets fill again
+        if it.phase is Phase.REDUCING or it.phase is Phase.HELD:  # its collectives finish first
             self.collectives.drain(it.works)
             self._end_iteration(it, Phase.IDLE, counted=False)
             raise self.logger.logged(errors.unfinished_backward_error(self.rank))
@@ -170,7 +171,9 @@ class Reducer(ReducerConfig):
                     it.late_warned = True
                     errors.warn_at_user_code(errors.late_gradient_warning(self.rank, self.names[index]))
                 return
-            self._begin_reducing(it, index)  # the first gradient of this backward
+            if phase is _HELD or self._begin_reducing(it, index):  # see ddpkit.ddp.create_graph
+                it.held.append(index)
+                return
         if it.counting:
             self.usage.hook_counts[index] += 1
             return
@@ -208,11 +211,18 @@ class Reducer(ReducerConfig):
         if not left and b == it.next_bucket:
             self._mark_bucket_ready(it)
 
-    def _begin_reducing(self, it: Iteration, index: int) -> None:
-        """The first gradient of a synced backward: queue the wait, mark the unused parameters."""
-        errors.warn_if_create_graph(self.rank, self.params[index].grad)  # as torch's reducer does
+    def _begin_reducing(self, it: Iteration, index: int) -> bool:
+        """The first gradient of a synced backward: queue the wait, mark the unused parameters.
+        True: the backward has ``create_graph`` (its hooks run in grad mode), and is held."""
         if it.begin_reducing():  # backward did not come through the outputs we know of
             queue_end_of_backward_callback(self.finalize_backward)
+        if torch.is_grad_enabled():
+            it.hold()
+            return True
+        self._start_reducing(it)
+        return False
+
+    def _start_reducing(self, it: Iteration) -> None:
         if self.adopt:  # before any gradient is written into a slot that a kept gradient holds
             self.layout.reclaim()
         deferred = self.usage.deferred_unused
@@ -249,6 +259,7 @@ class Reducer(ReducerConfig):
         ``backward()`` returns), or raise on every rank if some rank lacked gradients. A backward
         that reached no parameter (``torch.autograd.grad`` for a gradient penalty) changes nothing."""
         it = self._iteration
+        carried = self._release(it) if it.phase is Phase.HELD else None
         if it.phase is not Phase.REDUCING:
             it.rearm()
             return
@@ -278,6 +289,19 @@ class Reducer(ReducerConfig):
                 raise
             finally:
                 self._end_iteration(it, outcome)
+        if carried:
+            join_graphs(self.params, carried, it.scale if self.collectives.comm_hook is None else 1.0)
+
+    def _release(self, it: Iteration) -> dict[int, torch.Tensor]:
+        """A held ``create_graph`` backward ends: the gradients that carry a graph are set aside,
+        and the hooks' work is done now, in their order, on detached copies."""
+        carried = set_aside(self.params, it.held)
+        if carried:
+            errors.warn_create_graph(self.rank)  # as torch's reducer does
+        self._start_reducing(it)
+        for index in it.release():
+            self._on_grad_ready(index)
+        return carried
 
     def _launch_remaining(self, it: Iteration) -> list[int]:
         """Count in the parameters without a gradient, launching the buckets that waited for them."""

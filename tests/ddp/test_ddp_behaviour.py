@@ -573,6 +573,73 @@ def test_backward_with_create_graph_warns_once_as_torchs_reducer_does():
                "is not well-supported. The higher-order gradient will not be synchronized across ranks" in said[0]
 
 
+def _penalty_step(ddp, model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A loss's gradients with their graph, then a penalty on them differentiated: both as left in .grad."""
+    model.zero_grad(set_to_none=True)
+    ddp(x).tanh().square().sum().backward(create_graph=True)
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    sum(p.grad.square().sum() for p in model.parameters()).backward()
+    return grads, [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _create_graph_vs_torch_worker(as_view: bool) -> float:
+    """A model of one parameter: torch's reducer gives create_graph's gradients their graph there."""
+    rank = torch.distributed.get_rank()
+    models = [nn.Linear(300, 1, bias=False) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ours = ddpkit.DDP(models[0], gradient_as_bucket_view=as_view)
+    theirs = torch.nn.parallel.DistributedDataParallel(models[1], gradient_as_bucket_view=as_view)
+    worst = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x = torch.randn(5, 300, generator=torch.Generator().manual_seed(10 * step + rank))
+            for a, b in zip(*(sum(_penalty_step(d, m, x), []) for d, m in ((ours, models[0]), (theirs, models[1])))):
+                worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("as_view", [False, True])
+def test_create_graph_gives_torchs_gradients_and_second_derivatives(as_view):
+    assert max(run_ranks(_create_graph_vs_torch_worker, 2, (as_view,))) < 1e-6
+
+
+def _create_graph_reference_worker(as_view: bool) -> float:
+    """Several parameters (torch's reducer refuses them): .grad is the average, and its graph this
+    rank's share of it, the local gradient's over the world size."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    ddp = ddpkit.DDP(model, gradient_as_bucket_view=as_view)  # the middle weight is a big gradient
+    params, worst = list(model.parameters()), 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            local = torch.autograd.grad(model(x).tanh().square().sum(), params, create_graph=True)
+            averaged = [g.detach().clone() for g in local]
+            for g in averaged:
+                torch.distributed.all_reduce(g)
+                g /= world
+            expected_grads = averaged
+            penalty = sum((a + (g - g.detach()) / world).square().sum() for a, g in zip(averaged, local))
+            # the penalty's backward adds its gradient to the .grad it differentiated
+            expected_after = [a + d for a, d in zip(averaged, torch.autograd.grad(penalty, params))]
+            grads, after = _penalty_step(ddp, model, x)
+            for a, b in zip(grads + after, expected_grads + expected_after):
+                worst = max(worst, (a - b).abs().max().item())
+        model.zero_grad(set_to_none=True)
+        ddp(torch.ones(4, 8)).sum().backward()  # and a plain step after them
+    return worst
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("as_view", [False, True])
+def test_create_graph_averages_the_values_and_keeps_the_local_share_of_the_graph(as_view):
+    assert max(run_ranks(_create_graph_reference_worker, 2, (as_view,))) < 1e-5
+
+
 class _SidePath(nn.Module):
     """``aux`` is unreachable from the output, yet the loss may reach it from outside forward."""
 
