@@ -17,7 +17,15 @@ from typing import Mapping, Sequence
 import torch
 
 from ddpkit.errors import explain
-from ddpkit.launch.torchrun_flags import ConsoleFilter, add_torchrun_flags, check_refused, console_filter, notes
+from ddpkit.launch.torchrun_flags import (
+    RDZV_CONF_TIMEOUTS,
+    ConsoleFilter,
+    add_torchrun_flags,
+    check_refused,
+    console_filter,
+    notes,
+    rdzv_conf,
+)
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.environments.ports import mpi_port, slurm_port
@@ -26,7 +34,7 @@ from ddpkit.runtime.environments.threads import available_cores
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
 DEFAULT_GRACE_PERIOD = 30.0  # torchrun's --shutdown-timeout default
-DEFAULT_RDZV_TIMEOUT = 900.0  # torchrun's static rendezvous waits 15 minutes too
+DEFAULT_RDZV_TIMEOUT = 600.0  # torchrun's static rendezvous (and c10d's join_timeout) wait 10 minutes
 DEFAULT_NODE_TIMEOUT = 30.0
 
 
@@ -115,8 +123,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    help="also write each rank's output to DIR/<run id>_<random>/attempt_<k>/rank_<r>.log "
                    "(a directory per run, as torchrun's).")
     p.add_argument(*_spellings("rdzv-timeout"), dest="rdzv_timeout", type=float, metavar="SECONDS",
-                   default=pet("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
-                   help="seconds the nodes wait for each other (ddpkit's flag). Default 900.")
+                   default=pet("rdzv_timeout", None),
+                   help="seconds the nodes wait for each other (ddpkit's flag; torchrun's is --rdzv-conf "
+                   f"timeout=SECONDS, read too). Default {DEFAULT_RDZV_TIMEOUT:g}.")
     p.add_argument(*_spellings("node-timeout"), dest="node_timeout", type=float, metavar="SECONDS",
                    default=pet("node_timeout", DEFAULT_NODE_TIMEOUT),
                    help="a node whose launcher sends no heartbeat for this long counts as lost and "
@@ -150,8 +159,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    metavar="ADDR", help="accepted for torchrun compatibility: the static rendezvous "
                    "needs no address of this node.")
     p.add_argument(*_spellings("rdzv-conf"), dest="rdzv_conf", default=pet("rdzv_conf", ""),
-                   metavar="KEY=VALUE,...", help="accepted for torchrun compatibility: the static "
-                   "rendezvous has no options (see --rdzv-timeout).")
+                   metavar="KEY=VALUE,...", help="torchrun's rendezvous options: timeout (or c10d's "
+                   "join_timeout) is the seconds the nodes wait for each other, as --rdzv-timeout; other "
+                   "keys have no effect (a note says so).")
     p.add_argument("-m", "--module", action="store_true", default=pet_flag("module"),
                    help="run the script as a module, like 'python -m'.")
     p.add_argument(*_spellings("no-python"), dest="no_python", action="store_true",
@@ -191,6 +201,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     args = build_parser(environ).parse_args(list(argv))
     nnodes = _parse_nnodes(str(args.nnodes))
     check_refused(args)
+    args.rdzv_timeout = _rdzv_timeout(args)
     # torchrun's c10d backend on one node is the same as the static one: there is no other node
     if args.rdzv_backend != "static" and not (args.rdzv_backend == "c10d" and nnodes == 1):
         raise ValueError(explain(
@@ -248,6 +259,20 @@ def launch_job_id(environ: Mapping[str, str], run_id: str, nnodes: int) -> str |
     scheduler = {k: v for k, v in environ.items() if k != "TORCHELASTIC_RUN_ID"}
     named = job_id({**scheduler, "TORCHELASTIC_RUN_ID": run_id}, "ddpkit")
     return named if named is not None or nnodes > 1 else f"run:{uuid.uuid4()}"
+
+
+def _rdzv_timeout(args: argparse.Namespace) -> float:
+    """--rdzv-timeout, else torchrun's --rdzv-conf timeout (or join_timeout), else the default."""
+    if args.rdzv_timeout is not None:
+        return args.rdzv_timeout
+    conf = rdzv_conf(args.rdzv_conf)
+    for key in RDZV_CONF_TIMEOUTS:
+        if key in conf:
+            try:
+                return float(conf[key])
+            except ValueError:
+                raise ValueError(f"--rdzv-conf {key}={conf[key]!r} is not a number of seconds.") from None
+    return DEFAULT_RDZV_TIMEOUT
 
 
 def _parse_nnodes(text: str) -> int:

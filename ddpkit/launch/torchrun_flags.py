@@ -15,7 +15,10 @@ from typing import Callable
 from ddpkit.errors import explain
 
 __all__ = ["ConsoleFilter", "HANDLED_SIGNALS", "Streams", "add_torchrun_flags", "console_filter", "notes",
-           "check_refused"]
+           "check_refused", "rdzv_conf", "RDZV_CONF_TIMEOUTS"]
+
+RDZV_CONF_TIMEOUTS = ("timeout", "join_timeout")
+"""The ``--rdzv-conf`` keys that bound the wait for the nodes: the static rendezvous's and c10d's."""
 
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default, and what ddpkit stops on
 
@@ -131,11 +134,27 @@ def notes(args: argparse.Namespace) -> list[str]:
     if _signal_set(args.signals_to_handle) != _signal_set(HANDLED_SIGNALS):
         said.append(f"--signals-to-handle {args.signals_to_handle} has no effect: {HANDLED_SIGNALS} stop "
                     "the workers, and SIGUSR1/SIGUSR2 are passed on to them")
+    ignored = [key for key in rdzv_conf(args.rdzv_conf) if key not in RDZV_CONF_TIMEOUTS]
+    if ignored:
+        said.append(f"--rdzv-conf {', '.join(ignored)} has no effect: the static rendezvous reads only "
+                    f"{' or '.join(RDZV_CONF_TIMEOUTS)} (the seconds the nodes wait for each other)")
     for stream in ("stdout", "stderr"):
         if getattr(args, f"duplicate_{stream}_filters"):
             said.append(f"--duplicate-{stream}-filters has no effect: with --log-dir every line is kept "
                         "per rank; grep those files")
     return said
+
+
+def rdzv_conf(text: object) -> dict[str, str]:
+    """``--rdzv-conf key=value,...`` as torchrun reads it, checked: a pair without '=' is named."""
+    pairs: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in str(text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf {text!r}: {item!r} is not KEY=VALUE; give e.g. "
+                             "--rdzv-conf timeout=300.")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def _signal_set(text: object) -> set[str]:

@@ -500,7 +500,7 @@ def test_nodes_that_disagree_on_nnodes_stop_as_soon_as_they_meet(job, tmp_path):
     port = _free_port()
     nodes = [job.start("--nnodes", nnodes, "--node-rank", rank, "--master-port", str(port),
                        WORKER, str(tmp_path), "block") for nnodes, rank in (("2", "0"), ("3", "1"))]
-    errors = [node.communicate(timeout=30)[1] for node in nodes]  # --rdzv-timeout is 900 s
+    errors = [node.communicate(timeout=30)[1] for node in nodes]  # the default --rdzv-timeout is 600 s
     assert [node.returncode for node in nodes] == [1, 1], errors
     for err in errors:
         assert "node 0 was started with --nnodes 2, node 1 with --nnodes 3" in err, err

@@ -301,3 +301,22 @@ def test_torchrun_flags_ddpkit_does_not_act_on_are_accepted_and_each_says_so():
     assert len(config.notes) == 6
     with pytest.raises(ValueError, match="--virtual-local-rank is not supported"):
         parse_args(["--virtual-local-rank", "t.py"], environ={})
+
+
+def test_rdzv_conf_timeout_bounds_the_wait_for_the_nodes_as_in_torchrun():
+    """torchrun's static rendezvous reads --rdzv-conf timeout (600 s without it), c10d join_timeout;
+    ddpkit's own --rdzv-timeout wins over both."""
+    two = ["--nnodes", "2", "--node-rank", "1", "--master-port", "29400"]
+    assert parse_args([*two, "t.py"], environ={}).rdzv_timeout == 600
+    assert parse_args([*two, "--rdzv-conf", "timeout=5", "t.py"], environ={}).rdzv_timeout == 5
+    assert parse_args([*two, "--rdzv-conf", "join_timeout=7,x=1", "t.py"], environ={}).rdzv_timeout == 7
+    assert parse_args([*two, "--rdzv-conf", "timeout=5", "--rdzv-timeout", "9", "t.py"],
+                      environ={}).rdzv_timeout == 9
+    assert parse_args([*two, "t.py"], environ={"PET_RDZV_CONF": "timeout=3"}).rdzv_timeout == 3
+    noted = parse_args([*two, "--rdzv-conf", "timeout=5,read_timeout=60", "t.py"], environ={}).notes
+    assert noted == ("--rdzv-conf read_timeout has no effect: the static rendezvous reads only timeout or "
+                     "join_timeout (the seconds the nodes wait for each other)",)
+    with pytest.raises(ValueError, match="'timeout5' is not KEY=VALUE"):
+        parse_args([*two, "--rdzv-conf", "timeout5", "t.py"], environ={})
+    with pytest.raises(ValueError, match="--rdzv-conf timeout='soon' is not a number of seconds"):
+        parse_args([*two, "--rdzv-conf", "timeout=soon", "t.py"], environ={})
