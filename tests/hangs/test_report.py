@@ -1,8 +1,16 @@
 """The report as a pure function of the ranks' states: wording, grouping and verdicts, in one process."""
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
+from ddpkit.runtime.hangs.inquiry import pid_stopped
 from ddpkit.runtime.hangs.report import build_report, rank_list
 
 
@@ -102,6 +110,35 @@ def test_a_rank_that_does_not_answer_but_may_be_busy_is_not_killed(exited):
     assert f"rank 2 (pid 4242 on other) did not answer within 5 s, {expected}" in report["text"]
     assert "ranks 0, 1 wait in all_reduce #5 (train.py:88 in step())." in report["text"]
     assert not report["certain"] and "slow is not wrong" in report["text"]
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("stopped", "its process is stopped (SIGSTOP, or Ctrl-Z in its shell); it goes on after 'kill -CONT 4242'"),
+    ("traced", "a debugger holds its process (a breakpoint, or gdb/py-spy attached)")])
+def test_a_stopped_rank_is_named_as_stopped_not_busy(how, expected):
+    answers = {0: _state(0, [_item(5)], ranks=2)}
+    report = _report(answers, {1: {"pid": 4242, "host": "here", "final": None, "exited": False, "stopped": how}})
+    assert f"rank 1 (pid 4242 on here) did not answer within 5 s: {expected}" in report["text"]
+    assert not report["certain"]  # it may be let go on
+    assert "What next: the job waits for the stopped rank(s) above" in report["text"]
+
+
+@pytest.mark.timeout(30)
+def test_pid_stopped_sees_a_stopped_process_on_this_host():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = socket.gethostname()
+        assert pid_stopped(child.pid, here) is None
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while pid_stopped(child.pid, here) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the kernel stops it asynchronously
+        assert pid_stopped(child.pid, here) == "stopped"
+        assert pid_stopped(child.pid, "another-host") is None
+    finally:
+        child.kill()
+        child.wait()
+    assert pid_stopped(child.pid, here) is None
 
 
 def test_ranks_that_agree_are_not_a_deadlock():

@@ -14,9 +14,10 @@ import socket
 import time
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
-__all__ = ["Inquiry", "pid_exited"]
+__all__ = ["Inquiry", "pid_exited", "pid_stopped"]
 
 _POLL = 0.05
 
@@ -32,6 +33,18 @@ def pid_exited(pid: int | None, host: str | None) -> bool | None:
     except PermissionError:
         return False
     return False
+
+
+def pid_stopped(pid: int | None, host: str | None) -> str | None:
+    """How a live ``pid`` on this host is stopped: "stopped" (SIGSTOP, Ctrl-Z), "traced" (held by a
+    debugger); None when it runs, is gone, or lives on another host."""
+    if not pid or host != socket.gethostname():
+        return None
+    try:
+        status = psutil.Process(pid).status()
+    except (psutil.Error, OSError):
+        return None
+    return {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "traced"}.get(status)
 
 
 class Inquiry:
@@ -80,6 +93,7 @@ class Inquiry:
         final = self._get(f"final/{rank}") if self.store.check([f"final/{rank}"]) else None
         exited = pid_exited(info.get("pid"), info.get("host"))
         return {"pid": info.get("pid"), "host": info.get("host"), "final": final, "exited": exited,
+                "stopped": None if exited is not False else pid_stopped(info.get("pid"), info.get("host")),
                 "parent": info.get("parent"),
                 "parent_exited": bool(exited and pid_exited(info.get("parent"), info.get("host")))}
 

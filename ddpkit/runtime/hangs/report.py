@@ -133,6 +133,12 @@ def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) ->
     if info.get("exited"):
         return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
                 "memory?), a crash in native code, or os._exit")
+    if info.get("stopped") == "stopped":
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process is stopped "
+                f"(SIGSTOP, or Ctrl-Z in its shell); it goes on after 'kill -CONT {info['pid']}'")
+    if info.get("stopped") == "traced":
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: a debugger holds its "
+                "process (a breakpoint, or gdb/py-spy attached); it goes on when the debugger lets it")
     if info.get("exited") is False:
         return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, yet its process lives: "
                 "it is in a long call that holds Python's lock (native code, a big pickle or regex), or "
@@ -274,6 +280,8 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     elif any(state.get("dead_threads") for state in answers.values()):
         after = ("the job goes on (this may be a slow rank), but a rank waiting for a thread that died never "
                  "arrives: if so, stop the job and fix that thread's exception.")
+    elif any(info.get("stopped") for info in missing.values()):
+        after = "the job waits for the stopped rank(s) above; another report follows if this changes."
     else:
         after = "slow is not wrong: the job goes on; another report follows if this changes."
     text = "\n".join([RULE, f"{HEADER}stall_timeout={stall_timeout:g} s, collected by rank "
