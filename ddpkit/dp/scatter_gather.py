@@ -24,19 +24,26 @@ from ddpkit.errors import BatchDimError, EmptyListError, explain
 __all__ = ["scatter", "scatter_kwargs", "gather"]
 
 
-def _check_dim(t: torch.Tensor, dim: int, action: str) -> None:
-    """torch's words first (its chunk and cat say them on GPUs), then which call, dim and shape."""
+def _check_dim(t: torch.Tensor, dim: int, action: str, replica: int | None = None,
+               shapes: Sequence[tuple[int, ...]] = ()) -> None:
+    """torch's words first (its chunk and cat say them on GPUs), then which call, dim and shape; for
+    gather, which replica returned the tensor and what the others returned (``shapes``)."""
     shape = tuple(t.shape)
+    whose = "" if replica is None else (f" returned by replica {replica} (on {t.device}; the replicas' "
+                                        f"shapes: {', '.join(map(str, shapes))})")
     if t.dim() == 0:
         torchs = ("chunk expects at least a 1-dimensional tensor" if action == "scatter"
-                  else "zero-dimensional tensor (at position 0) cannot be concatenated")
+                  else f"zero-dimensional tensor (at position {replica or 0}) cannot be concatenated")
+        hint = ("give the tensor a batch dimension, e.g. t.unsqueeze(0)" if replica is None else
+                "keep the batch dimension in forward's output even for a chunk of one row (a .squeeze() "
+                "drops it: squeeze a named dim, e.g. .squeeze(-1))")
         raise BatchDimError(explain(
-            f"{torchs}: cannot {action} a 0-dim tensor along dim={dim}, found shape {shape}.",
-            "give the tensor a batch dimension, e.g. t.unsqueeze(0)."), action=action, dim=dim, shape=shape)
+            f"{torchs}: cannot {action} a 0-dim tensor{whose} along dim={dim}, found shape {shape}.",
+            f"{hint}."), action=action, dim=dim, shape=shape)
     if not -t.dim() <= dim < t.dim():
         raise BatchDimError(explain(
             f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], but got "
-            f"{dim}): cannot {action} along dim={dim} a tensor of shape {shape}.",
+            f"{dim}): cannot {action} along dim={dim} a tensor of shape {shape}{whose}.",
             "pass dim= the batch dimension of every tensor input."), action=action, dim=dim, shape=shape)
 
 
@@ -157,8 +164,9 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
             stacklevel=6,  # for an output that is one tensor: the line that called gather
         )
         outputs = [t.view(1) for t in outputs]
-    for t in outputs:
-        _check_dim(t, dim, "gather")
+    shapes = [tuple(t.shape) for t in outputs]
+    for replica, t in enumerate(outputs):
+        _check_dim(t, dim, "gather", replica, shapes)
     # .to and cat are both differentiable, so backward splits the gradient back to every replica
     return torch.cat([t.to(target) for t in outputs], dim)
 

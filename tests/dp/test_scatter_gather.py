@@ -106,8 +106,20 @@ def test_gather_rejects_a_dim_out_of_range():
     with pytest.raises(IndexError, match=r"Dimension out of range .*cannot gather along dim=1"):
         gather([torch.zeros(3), torch.zeros(3)], "cpu", dim=1)
     with pytest.raises(RuntimeError, match=r"zero-dimensional tensor \(at position 0\) cannot be concatenated: "
-                                           r"cannot gather a 0-dim tensor along dim=1"):
+                                           r"cannot gather a 0-dim tensor returned by replica 0 .*along dim=1"):
         gather([torch.zeros(()), torch.zeros(())], "cpu", dim=1)
+
+
+def test_gather_names_the_replica_whose_output_lost_its_batch_dim():
+    """A last chunk of one row through .squeeze() gives a 0-dim output on that replica only."""
+    outputs = [torch.zeros(2), torch.zeros(2), torch.zeros(())]
+    with pytest.raises(RuntimeError) as raised:
+        gather(outputs, "cpu")
+    with pytest.raises(RuntimeError) as torchs:  # what torch's cat says, word for word
+        torch.cat(outputs)
+    assert str(raised.value).startswith(str(torchs.value))
+    assert ("returned by replica 2 (on cpu; the replicas' shapes: (2,), (2,), ()) along dim=0, found shape ()"
+            in str(raised.value)) and ".squeeze(-1)" in str(raised.value)
 
 
 def test_scatter_rejects_an_empty_device_list():
