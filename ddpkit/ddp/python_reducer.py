@@ -5,7 +5,9 @@ Compiled autograd traces a backward pass into a graph, and a reducer's bucket ho
 backward wait cannot be traced. torch's DDP then drops its reducer for a post-accumulate-grad hook
 per parameter that all-reduces that one gradient with a functional collective, which compiled
 autograd traces and inductor may fuse again. ddpkit's DDP does the same, with torch's semantics:
-no buffer broadcast in forward, ``no_sync`` honoured, comm hooks called as ``hook(state, (grad, param))``.
+no buffer broadcast in forward, ``no_sync`` honoured, comm hooks called as
+``hook(state, (grad, param))``; outside a trace, the future a hook returns is waited for, where
+torch's python reducer drops it (see ``_take``).
 """
 from __future__ import annotations
 
@@ -54,7 +56,21 @@ class PythonReducer:
             return
         if self.comm_hooks:
             for hook, state in self.comm_hooks:
-                hook(state, (param.grad, param))
+                result = hook(state, (param.grad, param))
+                if isinstance(result, torch._C.Future):  # eager, not traced (see _take); then() gives a _C one
+                    _take(param, result.wait())
             return
         gradient = param.grad / dist.get_world_size(self.group)
         param.grad.copy_(self._all_reduce(gradient, "sum", self.group))
+
+
+def _take(param: torch.Tensor, value: Any) -> None:
+    """A comm hook's result, waited for in eager mode: the average is final when backward returns,
+    and the Work's callback has run before the script may exit. torch's python reducer drops the
+    future: the hook's all-reduce then races the optimizer, and a callback still running in Gloo's
+    thread at exit aborts the process ("terminate called without an active exception")."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    grad = param.grad
+    if isinstance(value, torch.Tensor) and grad is not None and value.data_ptr() != grad.data_ptr():
+        grad.copy_(value)  # a hook that returns the average in a tensor of its own

@@ -279,6 +279,24 @@ def test_a_copy_in_the_python_reducers_mode_averages_too():
     torch.testing.assert_close(first[0], torch.full((2, 3), 0.5))  # inputs 0 and 1, averaged
 
 
+def _python_reducer_hook_worker(hook_name: str) -> list[torch.Tensor]:
+    """In eager mode the python reducer calls a comm hook per gradient; its all-reduce must be done
+    when backward returns (and done before the process exits: a Gloo callback then aborts it)."""
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    hook = getattr(ddpkit.hooks, hook_name)
+    ddp = ddpkit.DDP(nn.Linear(3, 2, bias=False))
+    ddp.register_comm_hook(None, hook)
+    ddp(torch.full((1, 3), float(dist.get_rank()))).sum().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook"])
+def test_the_python_reducer_waits_for_a_comm_hooks_average_in_eager_mode(hook_name):
+    for grads in run_ranks(_python_reducer_hook_worker, 2, args=(hook_name,), timeout=100):
+        torch.testing.assert_close(grads[0], torch.full((2, 3), 0.5))  # inputs 0 and 1, averaged
+
+
 def _bookkeeping_calls(model: nn.Module, ddp_class: type = ddpkit.DDP) -> list[str]:
     """Which way a forward in eager mode, then under torch.compile, runs DDP's pre-forward bookkeeping."""
     calls: list[str] = []
