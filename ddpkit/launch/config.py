@@ -18,13 +18,12 @@ import torch
 
 from ddpkit.errors import explain
 from ddpkit.launch.torchrun_flags import (
-    RDZV_CONF_TIMEOUTS,
     ConsoleFilter,
     add_torchrun_flags,
     check_refused,
     console_filter,
     notes,
-    rdzv_conf,
+    rdzv_timeout,
 )
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 from ddpkit.runtime.environments.job import job_id
@@ -34,6 +33,7 @@ from ddpkit.runtime.environments.threads import available_cores
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
 
 DEFAULT_GRACE_PERIOD = 30.0  # torchrun's --shutdown-timeout default
+C10D_PORT = 29400  # torchrun's c10d endpoint port where --rdzv-endpoint gives none
 DEFAULT_RDZV_TIMEOUT = 600.0  # torchrun's static rendezvous (and c10d's join_timeout) wait 10 minutes
 DEFAULT_NODE_TIMEOUT = 30.0
 
@@ -50,6 +50,7 @@ class LaunchConfig:
     nproc_per_node: int
     nnodes: int = 1
     node_rank: int = 0
+    assign_node_rank: bool = False  # c10d on several nodes: numbered at the rendezvous (rendezvous_store)
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     max_restarts: int = 0
@@ -140,12 +141,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                    "nodes, a fresh UUID on one (as torchrun's).")
     p.add_argument(*_spellings("rdzv-backend"), dest="rdzv_backend",
                    default=pet("rdzv_backend", "static"),
-                   help="'static' (torchrun's default); 'c10d' is accepted on a single node, where "
-                   "it means the same.")
+                   help="'static' (torchrun's default: every node gets --node-rank) or 'c10d' (the "
+                   "nodes are numbered as they arrive at --rdzv-endpoint; --node-rank is ignored).")
     p.add_argument(*_spellings("rdzv-endpoint"), dest="rdzv_endpoint", default=pet("rdzv_endpoint", ""),
                    metavar="HOST[:PORT]",
-                   help="with the static rendezvous, as in torchrun: node 0's address and port, in "
-                   "place of --master-addr/--master-port.")
+                   help="the rendezvous's address and port, in place of --master-addr/--master-port: "
+                   f"node 0's (static), or a host of the job, where a node hosts it (c10d; port {C10D_PORT} "
+                   "if none).")
     p.add_argument("--role", default=pet("role", "default"), help="ROLE_NAME given to the workers.")
     # accepted so that torchrun command lines run unchanged; ddpkit's behaviour does not depend on them
     p.add_argument(*_spellings("start-method"), dest="start_method", default=pet("start_method", "spawn"),
@@ -201,14 +203,17 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     args = build_parser(environ).parse_args(list(argv))
     nnodes = _parse_nnodes(str(args.nnodes))
     check_refused(args)
-    args.rdzv_timeout = _rdzv_timeout(args)
-    # torchrun's c10d backend on one node is the same as the static one: there is no other node
-    if args.rdzv_backend != "static" and not (args.rdzv_backend == "c10d" and nnodes == 1):
+    args.rdzv_timeout = rdzv_timeout(args, DEFAULT_RDZV_TIMEOUT)
+    # c10d: one node is the static rendezvous; several are numbered as they arrive (no --node-rank)
+    if args.rdzv_backend not in ("static", "c10d"):
         raise ValueError(explain(
-            f"--rdzv-backend {args.rdzv_backend!r} is not supported with --nnodes {nnodes}: "
-            "'ddpkit run' meets nodes with a static rendezvous.",
-            "give every node --nnodes N --node-rank R --master-addr HOST0 --master-port P (or "
-            "--rdzv-endpoint HOST0:P) and leave out --rdzv-backend."))
+            f"--rdzv-backend {args.rdzv_backend!r} is not supported: 'ddpkit run' meets nodes with "
+            "torchrun's static or c10d rendezvous.",
+            "give every node --nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID, or "
+            "--nnodes N --node-rank R --master-addr HOST0 --master-port P."))
+    assign = args.rdzv_backend == "c10d" and nnodes > 1
+    if assign:
+        args.node_rank = 0  # ignored, as torchrun ignores it with c10d: the rendezvous numbers the nodes
     if args.standalone and nnodes != 1:
         raise ValueError(f"--standalone runs a single node, but --nnodes is {nnodes}.")
     if not 0 <= args.node_rank < nnodes:
@@ -229,6 +234,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         args.master_addr = host.strip("[]")  # an IPv6 endpoint is written [addr]:port
         if port:
             args.master_port = int(port) or None  # port 0: any free port, as in torchrun
+        elif assign and args.master_port is None:
+            args.master_port = C10D_PORT
     master_port = None if args.master_port is None else int(args.master_port)
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
@@ -242,7 +249,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         run_id = str(uuid.uuid4())  # torchrun's single node without a port: c10d on a fresh id
     return LaunchConfig(
         command=_worker_command(args), nproc_per_node=resolve_nproc_per_node(args.nproc_per_node),
-        nnodes=nnodes, node_rank=int(args.node_rank), master_addr=master_addr, master_port=master_port,
+        nnodes=nnodes, node_rank=int(args.node_rank), assign_node_rank=assign, master_addr=master_addr,
+        master_port=master_port,
         max_restarts=int(args.max_restarts), log_dir=args.log_dir,
         rdzv_timeout=float(args.rdzv_timeout), node_timeout=float(args.node_timeout),
         grace_period=float(args.grace_period), monitor_interval=float(args.monitor_interval),
@@ -259,20 +267,6 @@ def launch_job_id(environ: Mapping[str, str], run_id: str, nnodes: int) -> str |
     scheduler = {k: v for k, v in environ.items() if k != "TORCHELASTIC_RUN_ID"}
     named = job_id({**scheduler, "TORCHELASTIC_RUN_ID": run_id}, "ddpkit")
     return named if named is not None or nnodes > 1 else f"run:{uuid.uuid4()}"
-
-
-def _rdzv_timeout(args: argparse.Namespace) -> float:
-    """--rdzv-timeout, else torchrun's --rdzv-conf timeout (or join_timeout), else the default."""
-    if args.rdzv_timeout is not None:
-        return args.rdzv_timeout
-    conf = rdzv_conf(args.rdzv_conf)
-    for key in RDZV_CONF_TIMEOUTS:
-        if key in conf:
-            try:
-                return float(conf[key])
-            except ValueError:
-                raise ValueError(f"--rdzv-conf {key}={conf[key]!r} is not a number of seconds.") from None
-    return DEFAULT_RDZV_TIMEOUT
 
 
 def _parse_nnodes(text: str) -> int:

@@ -8,7 +8,8 @@ live under ``ddpkit-run/``, and ``ddpkit.init`` keeps each attempt's keys apart.
 fail publishes the failure, and every node stops its own. A node that gives up (a missing node, a
 vanished one, a disagreement) leaves the reason under ``abort``, so every node prints the same
 message; node 0 keeps its store open until the others have read the last such message or failure.
-Node 0 records its job in the store, and a node of another job is refused (``job_check``).
+Node 0 records its job in the store, and a node of another job is refused (``job_check``). With
+``--rdzv-backend c10d`` the nodes are numbered as they arrive (``rendezvous_store``).
 ``NodeWatch`` beats this node's heartbeat; node 0's notices a vanished node.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from datetime import timedelta
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch.distributed as dist
@@ -26,10 +27,10 @@ import torch.distributed as dist
 from ddpkit.errors import RendezvousError, explain
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
-from ddpkit.launch.node_watch import NodeWatch, failure_key, launcher_store, read_key, wait_reachable
+from ddpkit.launch.node_watch import NodeWatch, failure_key, read_key
 from ddpkit.launch.rendezvous import Layout
-from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
-from ddpkit.runtime.port_holder import describe_holder
+from ddpkit.launch.rendezvous_store import connect, host_node_store, number_this_node, try_hosting
+from ddpkit.runtime.job_check import JobRecord, check_member, claim, read_owner, tell_of_intruders
 
 __all__ = ["NodeRendezvous"]
 
@@ -62,21 +63,19 @@ class NodeRendezvous:
             say(f"ddpkit run: note: this run has no name (--rdzv-id), so a node of another unnamed run that "
                 f"reaches {self._address} would be taken for one of its own; give each run an --rdzv-id "
                 "of its own, the same on all of its nodes")
-        if cfg.node_rank == 0:
-            try:
-                self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, is_master=True,
-                                             wait_for_workers=False)
-            except (RuntimeError, OSError) as e:
-                raise self._error(explain(
-                    f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}. Another process "
-                    f"holds it{describe_holder(cfg.master_port)}: another job, or another node of this run "
-                    "started with --node-rank 0 too.",
-                    f"if that is this run's, give every node its own --node-rank; else {PORT_FIX}: give this "
-                    "run another --master-port, or start it under srun/mpirun, which derive one per job.")) from e
+        if cfg.assign_node_rank:  # c10d: whoever binds the endpoint on its host is node 0
+            self._server = try_hosting(cfg)
+        elif cfg.node_rank == 0:
+            self._server = host_node_store(cfg, self._error)
+        if self._server is not None:
             claim(self._server, self._me)
-        self._store = self._connect(deadline, abort)
+        self._store = connect(cfg, self._address, deadline, abort, self._error)
         store = self._store
         with self._node0_alive("join"):
+            if cfg.assign_node_rank:
+                rank = number_this_node(store, self._server is not None, cfg.nnodes, self._address, self._error)
+                cfg = self._config = replace(cfg, node_rank=rank)
+                self._me = JobRecord.here(cfg.job_id, None, f"node {rank}'s ddpkit run")
             if cfg.node_rank != 0:  # a node of another job must not join this one
                 raw = store.underlying_store  # type: ignore[attr-defined]
                 check_member(raw, self._me, read_owner(raw, self._me, deadline, False), self._address)
@@ -96,29 +95,7 @@ class NodeRendezvous:
             store.add("joined", 1)
             self._wait_all("joined", "node/{}", deadline, abort, "join", "joined")
             nprocs = [json.loads(store.get(f"node/{r}"))["nproc"] for r in range(cfg.nnodes)]
-        return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes)
-
-    def _connect(self, deadline: float, abort: Callable[[], bool]) -> dist.Store:
-        cfg = self._config
-        error: Exception | None = None
-        # a plain socket first: TCPStore's own retries log a C++ stack trace per attempt
-        wait_reachable(cfg.master_addr, cfg.master_port, deadline, abort, lambda: say(
-            f"ddpkit run: node {cfg.node_rank} is waiting for node 0's rendezvous at {self._address} "
-            f"(at most {cfg.rdzv_timeout:g} s)"))
-        while not abort():
-            wait = max(1.0, min(5.0, deadline - time.monotonic()))
-            try:
-                return launcher_store(cfg.master_addr, cfg.master_port, timedelta(seconds=wait))
-            except (RuntimeError, OSError) as e:
-                error = e
-            if time.monotonic() >= deadline:
-                break
-        if abort():
-            raise self._error(f"interrupted while waiting to reach node 0's rendezvous at {self._address}")
-        raise self._error(explain(
-            f"node {cfg.node_rank} could not reach node 0's rendezvous at {self._address} within "
-            f"{cfg.rdzv_timeout:g} s ({error}).", "start node 0 with the same --master-addr/--master-port, "
-            "and check the address is reachable from this host."), timed_out=True)
+        return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes, cfg.node_rank)
 
     def _check_nnodes(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Node 0 publishes its --nnodes; every other node compares as soon as it is connected."""
@@ -199,8 +176,10 @@ class NodeRendezvous:
             f"rendezvous at {self._address} timed out after {cfg.rdzv_timeout:g} s waiting for the "
             f"nodes to {what}: {len(present)} of {cfg.nnodes} nodes {verb} (node ranks {_ranks(present)}); "
             f"did not {_VERBS[verb]}: node rank(s) {_ranks(missing)}.",
-            f"start 'ddpkit run --nnodes {cfg.nnodes} --node-rank R --master-addr {cfg.master_addr} "
-            f"--master-port {cfg.master_port} ...' on each missing node, or raise --rdzv-timeout.")
+            (f"start 'ddpkit run --nnodes {cfg.nnodes} --rdzv-backend c10d --rdzv-endpoint {self._address} "
+             "...' on as many more nodes" if cfg.assign_node_rank else
+             f"start 'ddpkit run --nnodes {cfg.nnodes} --node-rank R --master-addr {cfg.master_addr} "
+             f"--master-port {cfg.master_port} ...' on each missing node") + ", or raise --rdzv-timeout.")
 
     @contextmanager
     def _node0_alive(self, what: str) -> Iterator[None]:

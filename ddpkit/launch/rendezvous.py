@@ -26,11 +26,13 @@ __all__ = ["Layout", "host_store", "LocalRendezvous"]
 
 @dataclass(frozen=True)
 class Layout:
-    """The job as every node sees it: total workers, this node's first rank, node count."""
+    """The job as every node sees it: total workers, this node's first rank, node count, and this
+    node's rank (numbered at the rendezvous with c10d)."""
 
     world_size: int
     rank_offset: int
     nnodes: int
+    node_rank: int = 0
 
 
 def host_store(bind_addr: str | None, port: int) -> dist.TCPStore:

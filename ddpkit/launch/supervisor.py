@@ -13,7 +13,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -89,6 +89,8 @@ class Supervisor:
                 if self._error_dir != self._log_dir:  # ours: gone with us, even if we are killed
                     self._watchdog.remove_on_kill(self._error_dir)
                 layout = self.rendezvous.join(self._aborted)
+                if layout.node_rank != self.config.node_rank:  # numbered at the rendezvous (c10d)
+                    self.config = replace(self.config, node_rank=layout.node_rank)
                 for attempt in range(self.config.max_restarts + 1):
                     outcome = self.run_attempt(attempt, layout)
                     if outcome.final or attempt == self.config.max_restarts:

@@ -15,7 +15,7 @@ from typing import Callable
 from ddpkit.errors import explain
 
 __all__ = ["ConsoleFilter", "HANDLED_SIGNALS", "Streams", "add_torchrun_flags", "console_filter", "notes",
-           "check_refused", "rdzv_conf", "RDZV_CONF_TIMEOUTS"]
+           "check_refused", "rdzv_conf", "rdzv_timeout", "RDZV_CONF_TIMEOUTS"]
 
 RDZV_CONF_TIMEOUTS = ("timeout", "join_timeout")
 """The ``--rdzv-conf`` keys that bound the wait for the nodes: the static rendezvous's and c10d's."""
@@ -155,6 +155,20 @@ def rdzv_conf(text: object) -> dict[str, str]:
                              "--rdzv-conf timeout=300.")
         pairs[key.strip()] = value.strip()
     return pairs
+
+
+def rdzv_timeout(args: argparse.Namespace, default: float) -> float:
+    """--rdzv-timeout, else torchrun's --rdzv-conf timeout (or join_timeout), else ``default``."""
+    if args.rdzv_timeout is not None:
+        return args.rdzv_timeout
+    conf = rdzv_conf(args.rdzv_conf)
+    for key in RDZV_CONF_TIMEOUTS:
+        if key in conf:
+            try:
+                return float(conf[key])
+            except ValueError:
+                raise ValueError(f"--rdzv-conf {key}={conf[key]!r} is not a number of seconds.") from None
+    return default
 
 
 def _signal_set(text: object) -> set[str]:

@@ -223,6 +223,26 @@ def test_two_launchers_on_one_host_form_a_world_of_four(job, tmp_path):
     assert_all_gone(job.pids())
 
 
+@pytest.mark.timeout(120)
+def test_torchruns_c10d_command_line_numbers_the_nodes_as_they_come(job, tmp_path):
+    """torchrun's multi-node form: no --node-rank; the launcher that binds the endpoint is node 0. A
+    third launcher for --nnodes 2 is refused, naming the count, and the job of two goes on."""
+    port = _free_port()
+    args = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "c10d-test", "--rdzv-timeout", "30", "--grace-period", "5",
+            WORKER, str(tmp_path), "allreduce")
+    nodes = [job.start(*args) for _ in range(3)]
+    outcomes = [(node.communicate(timeout=90)[1], node.returncode) for node in nodes]
+    refused = [err for err, code in outcomes if code != 0]
+    assert len(refused) == 1, outcomes
+    assert "more nodes came to the rendezvous at 127.0.0.1:" in refused[0] and "--nnodes 2" in refused[0]
+    results = job.results()
+    assert sorted(results) == [0, 1, 2, 3] and {r["sum"] for r in results.values()} == {10.0}
+    assert [results[r]["env"]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
+    assert {results[r]["env"]["MASTER_PORT"] for r in range(4)} == {str(port)}
+    assert_all_gone(job.pids())
+
+
 @pytest.mark.timeout(60)
 def test_workers_read_the_launchers_stdin_as_under_torchrun(job, tmp_path):
     launcher = job.start("--nproc-per-node", "1", WORKER, str(tmp_path), "stdin", stdin=subprocess.PIPE)

@@ -112,11 +112,17 @@ def test_a_bad_shutdown_timeout_is_named_by_torchruns_flag():
 
 
 def test_other_rendezvous_backends_are_refused_with_a_hint():
-    with pytest.raises(ValueError, match="--rdzv-backend 'c10d' is not supported with --nnodes 2.*"
-                                         "--master-addr"):
-        parse_args(["--rdzv-backend", "c10d", "--nnodes", "2", "t.py"], environ={})
-    with pytest.raises(ValueError, match="--rdzv-backend 'etcd' is not supported"):
+    with pytest.raises(ValueError, match="--rdzv-backend 'etcd' is not supported.*--rdzv-backend c10d"):
         parse_args(["--rdzv-backend", "etcd", "t.py"], environ={})
+
+
+def test_c10d_on_several_nodes_numbers_them_at_the_rendezvous_as_torchrun_does():
+    config = parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1", "--rdzv-id", "j",
+                         "--node-rank", "1", "t.py"], environ={})
+    assert config.assign_node_rank and config.node_rank == 0  # --node-rank is torchrun's static flag
+    assert (config.master_addr, config.master_port) == ("n1", 29400)  # torchrun's c10d port
+    single = parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "t.py"], environ={})
+    assert not single.assign_node_rank
 
 
 def test_torchruns_single_node_c10d_command_line_and_no_op_flags_parse():
