@@ -14,7 +14,7 @@ static_graph), ``BucketLayout`` (the buckets, rebuilt once) and ``Collectives`` 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,9 @@ from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
 from ddpkit.ddp.create_graph import join_graphs, set_aside
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.iteration import Iteration, Phase
-from ddpkit.ddp.outputs import unreached_parameters
 from ddpkit.ddp.profiling import bucket_range, profiled
 from ddpkit.ddp.reducer_config import ReducerConfig
+from ddpkit.ddp.reducer_forward import ReducerForward
 from ddpkit.ddp.usage import ParameterUsage
 
 __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
@@ -43,7 +43,7 @@ __all__ = ["Reducer", "SPLIT_BUCKET_BYTES"]
 _IDLE, _REDUCING, _FINALIZED, _HELD = Phase.IDLE, Phase.REDUCING, Phase.FINALIZED, Phase.HELD
 
 
-class Reducer(ReducerConfig):
+class Reducer(ReducerConfig, ReducerForward):
     """Average the gradients of ``params`` (named ``names``) over ``process_group`` during backward.
 
     ``cap_bytes``, ``first_cap_bytes`` and ``cap_list`` size the buckets; the flags are torch's DDP
@@ -97,63 +97,10 @@ class Reducer(ReducerConfig):
         for i, acc in enumerate(self._accumulators):
             acc.register_hook(functools.partial(on_grad_ready, self, i))
 
-    @functools.cached_property
-    def index_of(self) -> dict[int, int]:
-        """Parameter index by ``id``, for find_unused_parameters' search: built at its first use."""
-        return {id(p): i for i, p in enumerate(self.params)}
-
     @property
     def buckets(self) -> list[Bucket]:
         """The buckets, in launch order."""
         return self.layout.buckets
-
-    # ---- the forward side ----------------------------------------------------------------------
-    def prepare_for_forward(self) -> None:
-        """Called before a synced forward: a backward that began must have finished."""
-        it = self._iteration
-        if it.phase is Phase.REDUCING or it.phase is Phase.HELD:  # its collectives finish first
-            self.collectives.drain(it.works)
-            self._end_iteration(it, Phase.IDLE, counted=False)
-            raise self.logger.logged(errors.unfinished_backward_error(self.rank))
-        it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
-
-    def prepare_for_backward(self, unused: Sequence[int] | Sequence[torch.Tensor] = ()) -> None:
-        """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
-        forwards before one backward (a siamese loss, an evaluation forward) share one iteration.
-        Also torch's reducer call, with the outputs: a pipeline stage arms its last backward so."""
-        if unused and isinstance(unused[0], torch.Tensor):
-            unused = self.unreached(unused)
-        self.forwards += 1
-        self._iteration.arm(self.forwards)
-        self.usage.note_forward(unused, self.iterations)
-        if self.logger.timing:  # a sampled iteration: its backward begins, its gradients' order is noted
-            self._iteration.record = self.logger.start_backward(
-                self._iteration.record, [self.params[i] for i in unused or self.usage.static_unused])
-
-    def unreached(self, outputs: Sequence[torch.Tensor]) -> list[int]:
-        """find_unused_parameters' search: the parameters ``outputs`` cannot reach (none searched with
-        static_graph, whose first iteration's hook counts decide, as in torch)."""
-        if not self.usage.find_unused or self.usage.static_graph:
-            return []
-        return unreached_parameters([t for t in outputs if t.requires_grad], self.index_of)
-
-    def output_gradient_hook(self) -> Callable[[torch.Tensor], None]:
-        """A hook for this forward's outputs: queues the wait at the end of the backward that runs
-        through them (a reentrant checkpoint's inner backward, where parameter hooks may fire first,
-        ends earlier). A backward that starts at an averaged iteration's outputs raises."""
-        forward = self.forwards
-
-        def check(grad: torch.Tensor) -> None:
-            if forward < self._iteration.window_start:
-                if not self._iteration.running:  # else reached through this one's graph: a carried state
-                    raise self.logger.logged(errors.stale_output_error(self.rank, forward, self.forwards))
-            elif self._iteration.reach_output():
-                queue_end_of_backward_callback(self.finalize_backward)
-        return check
-
-    def prepare_for_local_backward(self) -> None:
-        """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""
-        self._iteration.disarm()
 
     # ---- the hot path --------------------------------------------------------------------------
     def _on_grad_ready(self, index: int, *_: Any) -> None:
