@@ -76,8 +76,9 @@ def test_a_checkpoint_gets_the_permissions_torch_save_would_give(tmp_path):
 @pytest.mark.timeout(10)
 def test_load_of_a_missing_file_names_the_path(tmp_path):
     missing = tmp_path / "nope" / "step_10.pt"
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*step_10\.pt.*does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*step_10\.pt.*does not exist") as raised:
         ddpkit.load(missing)
+    assert str(raised.value).endswith("or None.") and raised.value.errno == 2  # the path is not glued on
 
 
 @pytest.mark.timeout(10)

@@ -8,6 +8,7 @@ other ranks wait until the file is complete, so they may read it as soon as ``sa
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -72,10 +73,11 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) 
     if not path.is_file():
         where = path.parent if str(path.parent) else Path(".")
         hint = "" if where.is_dir() else f" (the directory {str(where)!r} does not exist either)"
-        raise FileNotFoundError(2, explain(
+        missing = FileNotFoundError(explain(
             f"no checkpoint at {str(path)!r}{hint}.",
-            "ddpkit.checkpoint.latest_checkpoint(dir) finds the newest complete one in a directory, or None"),
-            str(path))
+            "ddpkit.checkpoint.latest_checkpoint(dir) finds the newest complete one in a directory, or None."))
+        missing.errno = errno.ENOENT  # no filename: OSError would print it again after the hint
+        raise missing
     if map_location is None:
         env = current_env()
         map_location = env.device if env is not None and env.device is not None else "cpu"

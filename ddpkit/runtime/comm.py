@@ -75,14 +75,16 @@ def _reduce_op(op: Any) -> tuple[str, Any]:
     return op.lower(), REDUCE_OPS[op.lower()]
 
 
-def _check_op_dtype(function: str, op_name: str, tensor: torch.Tensor) -> None:
+def _check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any = None) -> None:
     """A mean divides in place, which an integer tensor cannot hold, and a bitwise reduction needs bits
-    to combine: refuse either on every world size."""
+    to combine: refuse either on every world size, naming the op as ``given``."""
+    written = (f"op={given!r}" if isinstance(given, str) else f"op=ReduceOp.{given.name}"
+               if isinstance(getattr(given, "name", None), str) else f"op={op_name!r}")
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(explain(f"{function}(op='mean') needs a floating-point tensor, got {tensor.dtype}.",
-                                "convert with .float(), or reduce with op='sum'."))
+        raise TypeError(explain(f"{function}({written}) averages, which needs a floating-point tensor, got "
+                                f"{tensor.dtype}.", "convert with .float(), or reduce with op='sum'."))
     if op_name in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(explain(f"{function}(op={op_name!r}) is bitwise and needs an integer or bool tensor, "
+        raise TypeError(explain(f"{function}({written}) is bitwise and needs an integer or bool tensor, "
                                 f"got {tensor.dtype}.", "reduce with op='max' or 'min', or convert the tensor."))
 
 
@@ -107,17 +109,19 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     """
     _check_tensor("tensor", tensor)
     name, reduce_op = _reduce_op(op)
-    _check_op_dtype("all_reduce", name, tensor)
+    _check_op_dtype("all_reduce", name, tensor, op)
     world_size = _world_size(group, "all_reduce")
     if world_size == 1:
         return tensor
     if _widens(name, tensor):
         wide = tensor.float()
         dist.all_reduce(wide, op=reduce_op, group=group)
-        return tensor.copy_(wide.div_(world_size))
+        with torch.no_grad():
+            return tensor.copy_(wide.div_(world_size))
     dist.all_reduce(tensor, op=reduce_op, group=group)
     if name in ("mean", "avg"):
-        tensor.div_(world_size)
+        with torch.no_grad():  # the collective writes outside autograd too (a parameter averaged by hand)
+            tensor.div_(world_size)
     return tensor
 
 
@@ -219,12 +223,29 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [o[: s[0]].clone() for o, s in zip(out, shapes)]
 
 
+def _check_same_sizes(chunks: Sequence[torch.Tensor], group: Any, world_size: int) -> None:
+    """reduce_scatter: every rank's r-th chunk must have the same number of elements and dtype; Gloo
+    aborts the process on a size mismatch, so the sizes are compared first (one small all-gather)."""
+    sizes = torch.tensor([_DTYPE_CODES.get(chunks[0].dtype, -1), *(c.numel() for c in chunks)], dtype=torch.int64,
+                         device=chunks[0].device)
+    every = [torch.empty_like(sizes) for _ in range(world_size)]
+    dist.all_gather(every, sizes, group=group)
+    if any(not torch.equal(other, every[0]) for other in every[1:]):
+        listed = "; ".join(f"rank {r}: {o[1:].tolist()} {_DTYPES[int(o[0])] if o[0] >= 0 else '?'}"
+                           for r, o in enumerate(every))
+        raise ValueError(explain(
+            "reduce_scatter: every rank must give chunks of the same sizes and dtype (the r-th chunk of "
+            f"each rank is reduced with the others' r-th), but the elements per chunk are: {listed}.",
+            "give every rank a tensor of the same shape (or lists of the same shapes)."))
+
+
 def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
                    group=None) -> torch.Tensor:
     """Reduce over ranks, then give rank ``r`` the ``r``-th chunk of the result.
 
-    ``tensor`` is either one tensor split along dim 0 like ``torch.tensor_split`` (uneven sizes are
-    fine), or a list of ``world_size`` tensors. Gloo has no native reduce-scatter: there it is an
+    ``tensor`` is either one tensor split along dim 0 like ``torch.tensor_split`` (chunks of uneven
+    sizes are fine, the same on every rank), or a list of ``world_size`` tensors. Sizes that differ
+    between ranks raise a ValueError on every rank. Gloo has no native reduce-scatter: there it is an
     all-reduce followed by taking this rank's chunk, the same result at twice the traffic.
     """
     world_size, rank = _world_size(group, "reduce_scatter"), _rank(group)
@@ -247,9 +268,10 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
                                         "convert them to one dtype first."))
     name, reduce_op = _reduce_op(op)
     for chunk in chunks:
-        _check_op_dtype("reduce_scatter", name, chunk)
+        _check_op_dtype("reduce_scatter", name, chunk, op)
     if world_size == 1:
         return chunks[0].clone()
+    _check_same_sizes(chunks, group, world_size)
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)
     narrow = chunks[rank].dtype if _widens(name, chunks[rank]) else None
     if narrow is not None:  # new tensors: the caller's inputs stay as they were

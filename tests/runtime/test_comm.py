@@ -47,6 +47,8 @@ def test_unknown_reduce_op_is_named(op):
 def test_mean_of_an_integer_tensor_is_refused():
     with pytest.raises(TypeError, match=r"op='mean'.*torch.int64"):
         ddpkit.all_reduce(torch.ones(2, dtype=torch.int64), "mean")
+    with pytest.raises(TypeError, match=r"all_reduce\(op=ReduceOp.AVG\) averages"):  # as the caller wrote it
+        ddpkit.all_reduce(torch.ones(2, dtype=torch.int64), torch.distributed.ReduceOp.AVG)
     # reduce_scatter too, and already in a world of one, so the error does not wait for a cluster
     with pytest.raises(TypeError, match=r"reduce_scatter\(op='mean'\).*torch.int64"):
         ddpkit.reduce_scatter(torch.arange(4), "mean")
@@ -70,7 +72,7 @@ def test_bitwise_reductions_are_torchs():
     for results, xor in run_ranks(_bitwise_as_torch, 2):
         assert all(results.values()) and len(results) == 9, results
         assert xor == [0, 0]
-    with pytest.raises(TypeError, match=r"all_reduce\(op='band'\) is bitwise .* got torch.float32"):
+    with pytest.raises(TypeError, match=r"all_reduce\(op=ReduceOp.BAND\) is bitwise .* got torch.float32"):
         ddpkit.all_reduce(torch.ones(2), dist.ReduceOp.BAND)
 
 
@@ -197,13 +199,19 @@ def _gather_mismatched_dtypes():
     ddpkit.all_gather(torch.ones(2, dtype=torch.float32 if ddpkit.get_rank() == 0 else torch.float64))
 
 
+def _reduce_scatter_mismatched_sizes():
+    ddpkit.reduce_scatter(torch.ones(4 + ddpkit.get_rank(), 3))
+
+
 # Gloo aborts the process on a size mismatch (or gathers garbage for dtypes of one size)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("worker, phrases", [
     (_gather_mismatched_trailing_dims, ["only the first dimension may differ", "rank 0: [2, 3], rank 1: [2, 4]"]),
     (_gather_mismatched_dtypes, ["TypeError: all_gather: every rank must give the same dtype",
                                  "rank 0: float32, rank 1: float64"]),
-], ids=["trailing_dims", "dtypes"])
+    (_reduce_scatter_mismatched_sizes, ["ValueError: reduce_scatter: every rank must give chunks of the same sizes",
+                                        "rank 0: [6, 6] torch.float32; rank 1: [9, 6] torch.float32"]),
+], ids=["trailing_dims", "dtypes", "reduce_scatter_sizes"])
 def test_all_gather_of_mismatched_tensors_fails_on_every_rank_naming_them(worker, phrases):
     with pytest.raises(RankFailure) as info:
         run_ranks(worker, 2)
@@ -211,6 +219,18 @@ def test_all_gather_of_mismatched_tensors_fails_on_every_rank_naming_them(worker
     for text in info.value.failures.values():
         for phrase in phrases:
             assert phrase in text
+
+
+def _mean_of_a_parameter():
+    weight, ones = torch.nn.Parameter(torch.full((2,), float(ddpkit.get_rank()))), torch.nn.Parameter(torch.ones(2))
+    return ddpkit.all_reduce(weight, "mean").tolist(), ddpkit.all_reduce(ones, "sum").tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_averaged_by_hand_outside_no_grad_works_as_on_one_process():
+    """The collective writes outside autograd, and so does the mean's division (it raised "a leaf
+    Variable that requires grad is being used in an in-place operation" on 2 ranks only)."""
+    assert run_ranks(_mean_of_a_parameter, 2) == [([0.5, 0.5], [2.0, 2.0])] * 2
 
 
 def _reduce_scatter_wrong_count():
