@@ -28,7 +28,8 @@ esac
 case "${RESTARTS:-0}" in
     "" | *[!0-9]*) echo "launch/single_node.sh: RESTARTS=$RESTARTS must be a whole number (0 or more)" >&2; exit 2 ;;
 esac
-SCRIPT=${1:-examples/train_ddp.py}
+# the example beside this script by default, from whatever directory it is started in
+SCRIPT=${1:-"$(dirname "$0")/../examples/train_ddp.py"}
 shift || true
 
 exec "${PYTHON:-python3}" -m ddpkit run \
