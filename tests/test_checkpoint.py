@@ -134,6 +134,21 @@ def test_only_rank_0_writes_and_every_rank_reads_the_complete_file(tmp_path):
     assert ddpkit.load(path) == {"rank": 0}
 
 
+def _load_missing(path: str) -> str:
+    try:
+        ddpkit.load(path)
+    except FileNotFoundError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_file_in_a_job_of_several_ranks_says_save_is_collective(tmp_path):
+    """A load on rank 1 right after a save called on rank 0 alone runs before the file exists."""
+    for said in run_ranks(_load_missing, world_size=2, args=(str(tmp_path / "ckpt.pt"),)):
+        assert "ddpkit.save is collective, call it on every rank" in said, said
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
 def test_a_save_that_fails_names_the_path_asked_for_not_only_the_temporary_file(tmp_path):

@@ -73,9 +73,14 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) 
     if not path.is_file():
         where = path.parent if str(path.parent) else Path(".")
         hint = "" if where.is_dir() else f" (the directory {str(where)!r} does not exist either)"
+        env = current_env()
+        racing = ("if another rank saves it just before: ddpkit.save is collective, call it on every rank "
+                  "(rank 0 writes, the others wait until the file is in place); "
+                  if env is not None and env.world_size > 1 else "")
         missing = FileNotFoundError(explain(
             f"no checkpoint at {str(path)!r}{hint}.",
-            "ddpkit.checkpoint.latest_checkpoint(dir) finds the newest complete one in a directory, or None."))
+            f"{racing}ddpkit.checkpoint.latest_checkpoint(dir) finds the newest complete one in a directory, "
+            "or None."))
         missing.errno = errno.ENOENT  # no filename: OSError would print it again after the hint
         raise missing
     if map_location is None:

@@ -18,6 +18,7 @@ from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
 __all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
 
 _RULE = "=" * 78
+_GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"  # gloo's enforce, then abort()
 _MAX_TAIL = 120
 _TRACEBACK_STARTS = ("Traceback (most recent call last)", "  + Exception Group Traceback (most recent")
 _CHAIN_LINES = ("The above exception was the direct cause of the following exception:",
@@ -123,6 +124,10 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     if stopped:
         lines.append("stopped because of it: " + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stopped))
     tail = traceback_tail(failed.pump.stderr_tail())
+    if any(_GLOO_SIZE_MISMATCH in line for line in tail):
+        lines.append("likely cause: the ranks passed tensors of different sizes (or dtypes) to one collective, "
+                     "and Gloo aborts the process then; compare what each rank passes at the line below "
+                     "(DDPKIT_CHECK_COLLECTIVES=1 names every rank's shape before the collective runs).")
     if tail:
         lines.append(f"last lines of rank {failed.rank}'s stderr:")
         lines += [f"  {line}" for line in tail]

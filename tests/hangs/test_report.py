@@ -83,7 +83,9 @@ def test_a_rank_that_does_not_answer_and_is_gone_is_certain():
     answers = {r: _state(r, [_item(5)], ranks=3) for r in (0, 1)}
     report = _report(answers, {2: {"pid": 4242, "host": "here", "final": None, "exited": True}})
     assert ("rank 2 (pid 4242 on here) has died without a word: killed by a signal (SIGKILL: out of memory?), "
-            "a crash in native code, or os._exit; ranks 0, 1 wait in all_reduce #5 (train.py:88 in step()).") \
+            "a crash in native code (Gloo aborts a rank whose collective receives another size than its own "
+            "tensor's: the ranks' tensors may differ), or os._exit; ranks 0, 1 wait in all_reduce #5 "
+            "(train.py:88 in step()).") \
         in report["text"]
     assert report["certain"]
 

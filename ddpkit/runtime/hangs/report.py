@@ -132,7 +132,8 @@ def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) ->
                 "that ran it ended with it")
     if info.get("exited"):
         return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
-                "memory?), a crash in native code, or os._exit")
+                "memory?), a crash in native code (Gloo aborts a rank whose collective receives another size "
+                "than its own tensor's: the ranks' tensors may differ), or os._exit")
     if info.get("stopped") == "stopped":
         return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process is stopped "
                 f"(SIGSTOP, or Ctrl-Z in its shell); it goes on after 'kill -CONT {info['pid']}'")
