@@ -189,4 +189,14 @@ def test_a_rank_that_exited_without_shutdown_is_named_with_its_last_collective()
     report = _report(answers, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
     assert ("rank 1 has exited without ddpkit.shutdown(): its script ended or called sys.exit() while other "
             "ranks still needed it (its last collective: all_reduce #7 at train.py:48 in step())") in report["text"]
-    assert report["certain"]
+    assert report["certain"] and "join()" not in report["text"]  # not DDP's collective: no word of batches
+
+
+def test_a_rank_that_exited_while_the_others_wait_in_ddp_hints_at_uneven_batches():
+    waiting = {**_item(8), "via": "DDP"}
+    answers = {0: _state(0, [waiting], ranks=2)}
+    final = {"how": "exit", "where": "all_reduce #7 at train.py:48 in step()", "error": None, "groups": []}
+    report = _report(answers, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
+    assert ("rank 0 waits in all_reduce #8 (train.py:88 in step()): if rank 1's data ran out first (ranks with "
+            "different numbers of batches), train under 'with model.join():' or give every rank as many batches "
+            "(DistributedSampler(..., drop_last=True)).") in report["text"]

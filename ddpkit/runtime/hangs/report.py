@@ -189,6 +189,10 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             one = len(waiting) == 1
             verb = ("was" if one else "were") if item.get("error") else ("waits" if one else "wait")
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
+            if (info.get("final") or {}).get("how") == "exit" and item.get("via") == "DDP":
+                sentence += (f": if rank {rank}'s data ran out first (ranks with different numbers of batches), "
+                             "train under 'with model.join():' or give every rank as many batches "
+                             "(DistributedSampler(..., drop_last=True))")
         sentences.append(sentence + ".")
         # a rank busy in a call that holds the GIL cannot answer either: only one known gone is certain
         certain = certain or bool(info.get("final") or info.get("exited"))
