@@ -20,6 +20,7 @@ def test_strict_mode_names_a_same_size_mismatch_from_different_lines(tmp_path):
         assert f"CollectiveMismatchError: ddpkit on rank {rank}: the ranks disagree at collective #1" in text
         assert f"rank 0: all_reduce float32[5] at {line_of('strict-0')} in strict_same_size()" in text
         assert f"rank 1: all_reduce float32[5] at {line_of('strict-1')} in strict_same_size()" in text
+        assert "HINT: every rank must call the same collectives in the same order, from the same line." in text
 
 
 def test_without_strict_mode_the_same_mismatch_passes_silently(tmp_path):
@@ -44,6 +45,8 @@ def test_strict_mode_names_a_reduction_that_differs_between_ranks():
     for text in texts:
         assert re.search(rf"rank 0: all_reduce float32\[3\] at \S*{site}", text), text
         assert re.search(rf"rank 1: all_reduce float32\[3\], op=max at \S*{site}", text), text
+        # the same call with other arguments: the hint says what must agree, not where to call from
+        assert "HINT: the same call on every rank, with other tensors: all_reduce needs the same shape" in text
 
 
 def _strict_agree_and_error_facts():

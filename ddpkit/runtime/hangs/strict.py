@@ -40,8 +40,13 @@ class StrictCheck:
             ordered = sorted(sides.items(), key=lambda kv: min(kv[1]))
             listed = "; ".join(f"{rank_list(rs)}: {sig}" for sig, rs in ordered)
             where = "the default group" if log.default else f"group {log.ranks}"
+            calls = {(sig.split(" ", 1)[0], sig.rsplit(" at ", 1)[-1]) for sig in sides}
+            hint = (f"the same call on every rank, with other tensors: {record.op} needs the same shape and "
+                    "dtype on every rank, and the same op (none shown: sum); make them agree, e.g. pad to "
+                    "the largest size, or use ddpkit.all_gather, whose first dimensions may differ."
+                    if len(calls) == 1 else
+                    "every rank must call the same collectives in the same order, from the same line.")
             raise CollectiveMismatchError(explain(
-                f"the ranks disagree at collective #{record.seq} of {where}: {listed}.",
-                "every rank must call the same collectives in the same order, from the same line "
-                "(DDPKIT_CHECK_COLLECTIVES=1 checks this).", who="ddpkit", rank=self.rank),
+                f"the ranks disagree at collective #{record.seq} of {where}: {listed}.", hint,
+                who="ddpkit", rank=self.rank),
                 rank=self.rank, seq=record.seq, group=log.ranks, by_rank=theirs)
