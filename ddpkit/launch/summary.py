@@ -120,6 +120,10 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     if also:
         lines.append("also failed, before they were stopped: " + ", ".join(
             f"rank {w.rank} (pid {w.pid}, {describe_exit(w.process.returncode or 0)})" for w in also))
+    left = [w for w in workers if w.state == "succeeded"]
+    if left:  # a rank that leaves while the others still call collectives makes theirs fail
+        lines.append("had exited before, with exit code 0: " + ", ".join(f"rank {w.rank} (pid {w.pid})"
+                                                                         for w in left))
     stopped = [w for w in workers if w.state == "stopped"]
     if stopped:
         lines.append("stopped because of it: " + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stopped))

@@ -387,6 +387,24 @@ def test_workers_that_failed_by_themselves_are_not_called_stopped(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_that_left_with_code_0_before_the_failure_is_named(tmp_path):
+    """sys.exit(0) on one rank (an early stop) makes the others' next collective fail: the summary
+    leads with the failure, and says who had left before it."""
+    supervisor = Supervisor(parse_args(["--nproc-per-node", "2", "--no-python", "sh"], environ={}))
+    supervisor._inbox = SignalInbox()  # not installed: the test sends no signal
+    places = [Placement(rank, rank, 2, 2, 0, 1) for rank in range(2)]
+    workers = [spawn_worker(("sh", "-c", "exit 0"), dict(os.environ), places[0], None)]
+    workers[0].process.wait(timeout=20)
+    supervisor._workers = workers
+    workers.append(spawn_worker(("sh", "-c", "exit 1"), dict(os.environ), places[1], None))
+    workers[1].process.wait(timeout=20)
+    outcome = supervisor.watch()
+    assert outcome.failed is workers[1] and outcome.code == 1
+    summary = failure_summary(outcome.failed, workers, 0, None)
+    assert f"had exited before, with exit code 0: rank 0 (pid {workers[0].pid})" in summary
+
+
+@pytest.mark.timeout(60)
 def test_restart_increments_the_restart_count(job, tmp_path):
     code, _, err = job.run("--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "5",
                            WORKER, str(tmp_path), "fail-once", "1")
