@@ -16,30 +16,19 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import explain
+from ddpkit.runtime.comm_args import (
+    DTYPE_CODES,
+    DTYPES,
+    REDUCE_OPS,
+    check_op_dtype,
+    check_tensor,
+    parse_reduce_op,
+    widens,
+)
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["all_reduce", "broadcast", "broadcast_object", "all_gather", "all_gather_object",
            "reduce_scatter", "barrier", "REDUCE_OPS"]
-
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,  # summed, then divided by the world size
-    "avg": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-    "prod": dist.ReduceOp.PRODUCT,
-    "band": dist.ReduceOp.BAND,  # bitwise, of integer and bool tensors, as torch's
-    "bor": dist.ReduceOp.BOR,
-    "bxor": dist.ReduceOp.BXOR,
-}
-_BITWISE = ("band", "bor", "bxor")
-
-
-# every dtype torch has, by a code that is the same in every process (sorted by name)
-_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
-
 
 def _active(group) -> bool:
     """True when there is a process group to talk to; False means: act as a world of one."""
@@ -64,41 +53,6 @@ def _rank(group) -> int:
     return dist.get_rank(group) if _active(group) else 0
 
 
-def _reduce_op(op: Any) -> tuple[str, Any]:
-    # torch's own dist.ReduceOp.SUM etc., so that code written for dist.all_reduce ports unchanged
-    torch_name = getattr(op, "name", None) if isinstance(op, dist.ReduceOp.RedOpType) else None
-    if isinstance(torch_name, str) and torch_name.lower() in REDUCE_OPS:
-        op = torch_name
-    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not a reduction ddpkit knows: use one of "
-                         f"{sorted(set(REDUCE_OPS) - {'avg', 'prod'})}.")
-    return op.lower(), REDUCE_OPS[op.lower()]
-
-
-def _check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any = None) -> None:
-    """A mean divides in place, which an integer tensor cannot hold, and a bitwise reduction needs bits
-    to combine: refuse either on every world size, naming the op as ``given``."""
-    written = (f"op={given!r}" if isinstance(given, str) else f"op=ReduceOp.{given.name}"
-               if isinstance(getattr(given, "name", None), str) else f"op={op_name!r}")
-    if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(explain(f"{function}({written}) averages, which needs a floating-point tensor, got "
-                                f"{tensor.dtype}.", "convert with .float(), or reduce with op='sum'."))
-    if op_name in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(explain(f"{function}({written}) is bitwise and needs an integer or bool tensor, "
-                                f"got {tensor.dtype}.", "reduce with op='max' or 'min', or convert the tensor."))
-
-
-def _check_tensor(name: str, tensor: Any) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-
-
-def _widens(name: str, tensor: torch.Tensor) -> bool:
-    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504), and
-    dividing first would lose its small values: such a mean is summed in float32."""
-    return name in ("mean", "avg") and tensor.is_floating_point() and tensor.element_size() <= 2
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks in place; returns it.
 
@@ -107,13 +61,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     floating-point tensor; a 16-bit one is summed in float32, so that the sum cannot overflow where
     the mean would not. A bitwise one needs an integer or bool tensor.
     """
-    _check_tensor("tensor", tensor)
-    name, reduce_op = _reduce_op(op)
-    _check_op_dtype("all_reduce", name, tensor, op)
+    check_tensor("tensor", tensor)
+    name, reduce_op = parse_reduce_op(op)
+    check_op_dtype("all_reduce", name, tensor, op)
     world_size = _world_size(group, "all_reduce")
     if world_size == 1:
         return tensor
-    if _widens(name, tensor):
+    if widens(name, tensor):
         wide = tensor.float()
         dist.all_reduce(wide, op=reduce_op, group=group)
         with torch.no_grad():
@@ -130,7 +84,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
 
     ``src`` is a global rank, as in ``torch.distributed.broadcast``, also with a subgroup.
     """
-    _check_tensor("tensor", tensor)
+    check_tensor("tensor", tensor)
     if _check_src(src, group, "broadcast") > 1:
         dist.broadcast(tensor, src=src, group=group)
     return tensor
@@ -188,7 +142,7 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
 
     Returns a list of ``world_size`` tensors (``torch.cat`` it for one tensor).
     """
-    _check_tensor("tensor", tensor)
+    check_tensor("tensor", tensor)
     world_size = _world_size(group, "all_gather")
     if world_size == 1:
         return [tensor.clone()]
@@ -197,11 +151,11 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
         raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
     # the dtype goes with the shape: Gloo aborts the process on a size mismatch, and a dtype of the
     # same size would be gathered as garbage
-    header = torch.tensor([_DTYPE_CODES.get(tensor.dtype, -1), tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
+    header = torch.tensor([DTYPE_CODES.get(tensor.dtype, -1), tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
                           dtype=torch.int64, device=tensor.device)
     headers = [torch.empty_like(header) for _ in range(world_size)]
     dist.all_gather(headers, header, group=group)
-    dtypes = [_DTYPES[int(h[0])] if int(h[0]) >= 0 else f"code {int(h[0])}" for h in headers]
+    dtypes = [DTYPES[int(h[0])] if int(h[0]) >= 0 else f"code {int(h[0])}" for h in headers]
     if len({int(h[0]) for h in headers}) > 1:
         listed = ", ".join(f"rank {r}: {str(d).replace('torch.', '')}" for r, d in enumerate(dtypes))
         raise TypeError(f"all_gather: every rank must give the same dtype, but the dtypes are {listed}. "
@@ -226,12 +180,12 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
 def _check_same_sizes(chunks: Sequence[torch.Tensor], group: Any, world_size: int) -> None:
     """reduce_scatter: every rank's r-th chunk must have the same number of elements and dtype; Gloo
     aborts the process on a size mismatch, so the sizes are compared first (one small all-gather)."""
-    sizes = torch.tensor([_DTYPE_CODES.get(chunks[0].dtype, -1), *(c.numel() for c in chunks)], dtype=torch.int64,
+    sizes = torch.tensor([DTYPE_CODES.get(chunks[0].dtype, -1), *(c.numel() for c in chunks)], dtype=torch.int64,
                          device=chunks[0].device)
     every = [torch.empty_like(sizes) for _ in range(world_size)]
     dist.all_gather(every, sizes, group=group)
     if any(not torch.equal(other, every[0]) for other in every[1:]):
-        listed = "; ".join(f"rank {r}: {o[1:].tolist()} {_DTYPES[int(o[0])] if o[0] >= 0 else '?'}"
+        listed = "; ".join(f"rank {r}: {o[1:].tolist()} {DTYPES[int(o[0])] if o[0] >= 0 else '?'}"
                            for r, o in enumerate(every))
         raise ValueError(explain(
             "reduce_scatter: every rank must give chunks of the same sizes and dtype (the r-th chunk of "
@@ -261,19 +215,19 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
             raise ValueError(f"reduce_scatter got {len(chunks)} tensors for a group of {world_size} "
                              "ranks: pass exactly one per rank.")
         for i, chunk in enumerate(chunks):
-            _check_tensor(f"tensor[{i}]", chunk)
+            check_tensor(f"tensor[{i}]", chunk)
             if chunk.dtype != chunks[0].dtype:  # one flat all-reduce would promote them all
                 raise TypeError(explain(f"reduce_scatter's tensors must share a dtype: tensor[0] is "
                                         f"{chunks[0].dtype}, tensor[{i}] is {chunk.dtype}.",
                                         "convert them to one dtype first."))
-    name, reduce_op = _reduce_op(op)
+    name, reduce_op = parse_reduce_op(op)
     for chunk in chunks:
-        _check_op_dtype("reduce_scatter", name, chunk, op)
+        check_op_dtype("reduce_scatter", name, chunk, op)
     if world_size == 1:
         return chunks[0].clone()
     _check_same_sizes(chunks, group, world_size)
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)
-    narrow = chunks[rank].dtype if _widens(name, chunks[rank]) else None
+    narrow = chunks[rank].dtype if widens(name, chunks[rank]) else None
     if narrow is not None:  # new tensors: the caller's inputs stay as they were
         chunks = [c.float() for c in chunks]
     if dist.get_backend(group) == "nccl" and same_shapes:
