@@ -22,8 +22,8 @@ class Phase(enum.Enum):
     ARMED: a synced forward ran; its backward has reached neither its outputs nor a parameter.
     QUEUED: backward reached an output of a synced forward; ``finalize_backward`` runs at its end.
     REDUCING: a parameter's hook fired (the wait is queued); buckets may have launched.
-    HELD: a parameter's hook fired in a ``backward(create_graph=True)``: nothing launches, the
-        parameters are counted in at its end, or refused there if a gradient carries a graph.
+    HELD: a parameter's hook fired in a ``backward(create_graph=True)``: nothing launches; at its
+        end the hooks' work is done in their order (see ``ddpkit.ddp.create_graph``).
     FINALIZED: averaged and written back, no forward since; a gradient now is late (warned once).
     """
 
@@ -119,7 +119,7 @@ class Iteration:
         self.phase = Phase.HELD
 
     def release(self) -> list[int]:
-        """The held backward ended with plain gradients: reduce them now, in their order."""
+        """The held backward ended: its parameters, in the order their hooks fired, to reduce now."""
         held, self.held = self.held, []
         self.phase = Phase.REDUCING
         return held

@@ -170,6 +170,7 @@ class Reducer(ReducerConfig, ReducerForward):
         return False
 
     def _start_reducing(self, it: Iteration) -> None:
+        """Before the first gradient is counted in: free the slots kept gradients hold, mark the unused."""
         if self.adopt:  # before any gradient is written into a slot that a kept gradient holds
             self.layout.reclaim()
         deferred = self.usage.deferred_unused
