@@ -151,11 +151,8 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
         raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
     # the dtype goes with the shape: Gloo aborts the process on a size mismatch, and a dtype of the
     # same size would be gathered as garbage
-    header = torch.tensor([DTYPE_CODES.get(tensor.dtype, -1), tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())],
-                          dtype=torch.int64, device=tensor.device)
-    headers = [torch.empty_like(header) for _ in range(world_size)]
-    dist.all_gather(headers, header, group=group)
-    dtypes = [DTYPES[int(h[0])] if int(h[0]) >= 0 else f"code {int(h[0])}" for h in headers]
+    headers = _gather_header([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())], tensor, group, world_size)
+    dtypes = [_dtype_named(int(h[0])) for h in headers]
     if len({int(h[0]) for h in headers}) > 1:
         listed = ", ".join(f"rank {r}: {str(d).replace('torch.', '')}" for r, d in enumerate(dtypes))
         raise TypeError(f"all_gather: every rank must give the same dtype, but the dtypes are {listed}. "
@@ -177,16 +174,25 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [o[: s[0]].clone() for o, s in zip(out, shapes)]
 
 
+def _gather_header(numbers: Sequence[int], tensor: torch.Tensor, group: Any, world_size: int) -> list[torch.Tensor]:
+    """Every rank's ``tensor.dtype`` (as a code) and ``numbers``, in rank order: one small all-gather,
+    compared before a collective that Gloo would abort on a size mismatch."""
+    header = torch.tensor([DTYPE_CODES.get(tensor.dtype, -1), *numbers], dtype=torch.int64, device=tensor.device)
+    headers = [torch.empty_like(header) for _ in range(world_size)]
+    dist.all_gather(headers, header, group=group)
+    return headers
+
+
+def _dtype_named(code: int) -> Any:
+    return DTYPES[code] if code >= 0 else f"code {code}"
+
+
 def _check_same_sizes(chunks: Sequence[torch.Tensor], group: Any, world_size: int) -> None:
     """reduce_scatter: every rank's r-th chunk must have the same number of elements and dtype; Gloo
     aborts the process on a size mismatch, so the sizes are compared first (one small all-gather)."""
-    sizes = torch.tensor([DTYPE_CODES.get(chunks[0].dtype, -1), *(c.numel() for c in chunks)], dtype=torch.int64,
-                         device=chunks[0].device)
-    every = [torch.empty_like(sizes) for _ in range(world_size)]
-    dist.all_gather(every, sizes, group=group)
+    every = _gather_header([c.numel() for c in chunks], chunks[0], group, world_size)
     if any(not torch.equal(other, every[0]) for other in every[1:]):
-        listed = "; ".join(f"rank {r}: {o[1:].tolist()} {DTYPES[int(o[0])] if o[0] >= 0 else '?'}"
-                           for r, o in enumerate(every))
+        listed = "; ".join(f"rank {r}: {o[1:].tolist()} {_dtype_named(int(o[0]))}" for r, o in enumerate(every))
         raise ValueError(explain(
             "reduce_scatter: every rank must give chunks of the same sizes and dtype (the r-th chunk of "
             f"each rank is reduced with the others' r-th), but the elements per chunk are: {listed}.",

@@ -49,14 +49,21 @@ def parse_reduce_op(op: Any) -> tuple[str, Any]:
 def check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any = None) -> None:
     """A mean divides in place, which an integer tensor cannot hold, and a bitwise reduction needs bits
     to combine: refuse either on every world size, naming the op as ``given``."""
-    written = (f"op={given!r}" if isinstance(given, str) else f"op=ReduceOp.{given.name}"
-               if isinstance(getattr(given, "name", None), str) else f"op={op_name!r}")
+    written = _as_written(given, op_name)
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(explain(f"{function}({written}) averages, which needs a floating-point tensor, got "
                                 f"{tensor.dtype}.", "convert with .float(), or reduce with op='sum'."))
     if op_name in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(explain(f"{function}({written}) is bitwise and needs an integer or bool tensor, "
                                 f"got {tensor.dtype}.", "reduce with op='max' or 'min', or convert the tensor."))
+
+
+def _as_written(given: Any, op_name: str) -> str:
+    """``op='avg'`` or ``op=ReduceOp.AVG``, as the caller wrote it (else the parsed name)."""
+    if isinstance(given, str):
+        return f"op={given!r}"
+    torch_name = getattr(given, "name", None)
+    return f"op=ReduceOp.{torch_name}" if isinstance(torch_name, str) else f"op={op_name!r}"
 
 
 def check_tensor(name: str, tensor: Any) -> None:
