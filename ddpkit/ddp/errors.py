@@ -90,7 +90,8 @@ def warn_create_graph(rank: int) -> None:
         warn_at_user_code(explain(
             "Using DistributedDataParallel with create_graph=True is not well-supported. The higher-order "
             "gradient will not be synchronized across ranks: each .grad holds the average over ranks, but "
-            "the graph it carries is this rank's own share (the local gradient's, times 1 / world size), so "
+            "the graph it carries is this rank's own share (the local gradient's, times 1 / world size "
+            "without a comm hook), so "
             "a loss built from it (a gradient penalty) differentiates that share only.",
             "compute higher-order terms with torch.autograd.grad(..., create_graph=True) on the local loss, "
             "outside DDP's backward, and all-reduce them yourself.", who=_DDP, rank=rank))
