@@ -31,7 +31,7 @@ from ddpkit.ddp.arguments import (
 from ddpkit.ddp.compile_support import DYNAMO_CALLBACK, bookkeeping, eager, inside_ddp_forward
 from ddpkit.ddp.ddp_logger import DDPLogger, logs_errors
 from ddpkit.ddp.delayed import DelayedAllReduce
-from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH, not_a_module_error, warn_if_all_used
+from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH, no_parameters_error, not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import backward_entries, find_tensors, to_device
 from ddpkit.ddp.pickling import PicklingSupport
@@ -41,7 +41,6 @@ from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.solo_checks import SoloChecks, solo_checks_for
 from ddpkit.ddp.state_sync import StateSyncSupport, overlapping_state_error, verify_same_tensors
 from ddpkit.ddp.torch_compat import TorchCompat
-from ddpkit.errors import explain
 from ddpkit.runtime.process_group import require_group_when_launched
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -157,10 +156,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
                                                 mp.allreduce_in_dtype_hook)
         self._log_construction()
 
-    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
-                                 lambda self, value: setattr(self, "forward_sync_buffers", value),
-                                 doc="torch 2.13's alias of ``forward_sync_buffers``.")
-
     # ---- construction steps --------------------------------------------------------------------
     def _join_group(self, process_group) -> None:
         """Use ``process_group`` (None: no process group, a world of one)."""
@@ -174,10 +169,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         if not named and not delayed_too:
-            raise RuntimeError(explain(
-                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
-                f"a gradient (on rank {self.rank}, none of its parameters requires one, or all are ignored).",
-                "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
+            raise no_parameters_error(self.rank)
         return named
 
     def _make_reducer(self, named: list[tuple[str, nn.Parameter]]) -> Reducer:

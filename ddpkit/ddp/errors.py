@@ -37,6 +37,14 @@ def not_a_module_error(module: object) -> NotAModuleError:
                                    "wrap the model, an nn.Module instance: DDP(model)."), got=got)
 
 
+def no_parameters_error(rank: int) -> RuntimeError:
+    """torch's words for a module with nothing to average, with the rank and the way out."""
+    return RuntimeError(explain(
+        f"{_DDP} is not needed when a module doesn't have any parameter that requires a gradient (on rank "
+        f"{rank}, none of its parameters requires one, or all are ignored).",
+        "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
+
+
 def late_gradient_warning(rank: int, name: str) -> str:
     """A gradient arrived after its iteration was averaged: a second backward through one graph, or a
     backward through a forward of the wrapped module called directly.

@@ -33,6 +33,10 @@ class TorchCompat:
     logger: DDPLogger
     """torch's ``dist.Logger``: what ``_get_ddp_logging_data()`` reads (ddpkit.ddp.ddp_logger)."""
 
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
+                                 lambda self, value: setattr(self, "forward_sync_buffers", value),
+                                 doc="torch 2.13's alias of ``forward_sync_buffers``.")
+
     def _set_torch_attributes(self, params: Sequence[torch.Tensor]) -> None:
         """torch's plain attributes, with its values; ``params``: the parameters DDP handles."""
         devices = {p.device for p in params}

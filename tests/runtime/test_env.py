@@ -233,7 +233,15 @@ def test_invalid_slurm_settings(changes, message):
 
 MPI_ERRORS = [{"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, {"PMI_RANK": "1"},
               {"PMIX_RANK": "-1", "PMIX_SIZE": "2"},
-              {"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "1_0"}]
+              {"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "1_0"}, {"OMPI_COMM_WORLD_SIZE": "2"}]
+
+
+@pytest.mark.parametrize("size_name, rank_name", [("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
+                                                  ("MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK")])
+def test_an_mpi_size_without_its_rank_is_refused_not_run_as_a_single_process(size_name, rank_name):
+    with pytest.raises(LauncherVariableError, match=rf"^{size_name}='2' is set but {rank_name} is not") as caught:
+        detect({size_name: "2"})
+    assert caught.value.variable == rank_name
 
 
 @pytest.mark.parametrize("environ", [e for e, _ in TORCHRUN_ERRORS] + MPI_ERRORS

@@ -40,9 +40,14 @@ _SIZE_FALLBACKS = {
 }
 
 
+# launchers that export the size only together with the rank: one without the other is a launch gone wrong
+_RANKED_SIZES = {"OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE": "MV2_COMM_WORLD_RANK"}
+
+
 def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     flavour = next((names for names in MPI_FLAVOURS if names[0] in environ), None)
     if flavour is None:
+        _check_no_orphan_size(environ)
         return None
     rank_name, size_name, local_rank_name, local_size_name = flavour
     size_name = _size_variable(environ, rank_name, size_name)
@@ -72,6 +77,17 @@ def from_mpi(environ: Mapping[str, str]) -> DistEnv | None:
     master_port = read_master_port(environ, mpi_port(environ) or DEFAULT_MASTER_PORT)
     return DistEnv(rank, world_size, local_rank, local_world_size, node_rank, master_addr,
                    master_port, "mpi")
+
+
+def _check_no_orphan_size(environ: Mapping[str, str]) -> None:
+    """Refuse a size variable whose rank is missing, which would otherwise run a lone single process."""
+    for size_name, rank_name in _RANKED_SIZES.items():
+        if environ.get(size_name, "").strip():
+            raise refuse(rank_name, None,
+                         f"{size_name}={environ[size_name]!r} is set but {rank_name} is not: this process "
+                         "cannot tell which rank it is.",
+                         f"start the job with mpirun/mpiexec, which sets both, or unset {size_name} to run "
+                         "a single process.")
 
 
 def _size_variable(environ: Mapping[str, str], rank_name: str, size_name: str) -> str:
