@@ -7,7 +7,8 @@ one wait point), ``iteration`` holds one iteration's state, ``usage`` accounts f
 and static_graph, ``collectives`` launches each bucket's all-reduce or comm hook, ``bucket_groups``
 decides which parameters share a ``bucket`` and ``bucket_layout`` holds the buckets and rebuilds
 them. ``join`` lets ranks out of data
-shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures;
+shadow the others; ``hooks`` are the comm hooks; ``errors`` words backward's failures, and
+``parameter_watch`` says which parameters changed after wrapping;
 ``autograd_engine`` holds the private autograd calls, each with its reason. ``ddp_class_checks``
 widens torch's checks for its DDP class to ddpkit's (distributed-checkpoint keys without ``module.``,
 pipeline stages), installed on import here;

@@ -154,10 +154,12 @@ class Collectives:
         if self.finish(works, used_map, False, zeros)[1]:
             self.raise_missing([], static_graph)
 
-    def raise_missing(self, names: list[str], static_graph: bool) -> None:
-        """Raise on every rank, each naming its parameters that got no gradient."""
-        everyone = all_gather_object((self.rank, names), group=self.group)
-        raise unused_gradient_error(self.rank, everyone, static_graph)
+    def raise_missing(self, names: list[str], static_graph: bool, changed: dict[str, str] | None = None) -> None:
+        """Raise on every rank, each naming its parameters that got no gradient (``changed``: what
+        became of those replaced, removed or frozen since wrapping)."""
+        everyone = all_gather_object((self.rank, names, changed or {}), group=self.group)
+        raise unused_gradient_error(self.rank, [(r, n) for r, n, _ in everyone], static_graph,
+                                    {r: c for r, _, c in everyone})
 
     def wait_with_tail(self, works: Sequence[Any], used_map: Callable[[], torch.Tensor] | None,
                        missing: bool, into: Sequence[Bucket] | None = None) -> Tail:

@@ -34,6 +34,7 @@ from ddpkit.ddp.delayed import DelayedAllReduce
 from ddpkit.ddp.errors import FIND_UNUSED_WITH_STATIC_GRAPH, no_parameters_error, not_a_module_error, warn_if_all_used
 from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import backward_entries, find_tensors, to_device
+from ddpkit.ddp.parameter_watch import ParameterWatch
 from ddpkit.ddp.pickling import PicklingSupport
 from ddpkit.ddp.profiling import profiled
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
@@ -180,7 +181,8 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
                           static_graph=self.static_graph, cap_list=self.bucket_bytes_cap_list,
                           skip_unused=self.skip_all_reduce_unused_params,
                           sparse=sparse_gradient_names(self.module, [n for n, _ in named]),
-                          logger=self.logger, **self._reducer_options)
+                          logger=self.logger, watch=ParameterWatch(self.module, named, self.parameters_to_ignore),
+                          **self._reducer_options)
         self.logger.note_buckets(reducer.buckets)  # a reducer made late (a comm hook in a world of one)
         return reducer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,8 @@ from ddpkit.errors import (
 __all__ = ["not_a_module_error", "warn_create_graph", "late_gradient_warning", "warn_at_user_code",
            "FIND_UNUSED_WITH_STATIC_GRAPH",
            "second_gradient_error", "static_graph_changed_error",
-           "unused_gradient_error", "unfinished_backward_error", "stale_output_error", "late_static_graph_error",
+           "unused_gradient_error", "parameters_changed_warning", "unfinished_backward_error",
+           "stale_output_error", "late_static_graph_error",
            "ranks_disagree_error", "refused_elsewhere_error"]
 
 _DDP = "DistributedDataParallel"
@@ -145,9 +146,10 @@ def static_graph_changed_error(rank: int, name: str, first_count: int) -> Static
     return StaticGraphChangedError(message, rank=rank, parameter=name, first_count=first_count)
 
 
-def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
-                          static_graph: bool) -> UnusedParametersError:
-    """The error every rank raises when some rank's backward left parameters without a gradient."""
+def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]], static_graph: bool,
+                          changed: Mapping[int, Mapping[str, str]] | None = None) -> UnusedParametersError:
+    """The error every rank raises when some rank's backward left parameters without a gradient;
+    ``changed``: by rank, what became of those that were replaced, removed or frozen since wrapping."""
     by_rank = {r: list(names) for r, names in everyone if names}
     listed = "; ".join(f"rank {r}: " + ", ".join(repr(n) for n in names) for r, names in by_rank.items())
     mode = ("static_graph=True, and these were used in the first iteration" if static_graph
@@ -156,15 +158,37 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]],
     cause = ("your training graph has changed in this iteration: your module has parameters that were "
              "not used in producing loss" if static_graph
              else "your module has parameters that were not used in producing loss")
+    changed = {r: found for r, found in sorted((changed or {}).items()) if found}
+    same = len(changed) == len(everyone) > 1 and all(c == changed[rank] for c in changed.values())
+    changes = "; ".join(("on every rank: " if same else f"on rank {r}: ")
+                        + ", ".join(f"{name!r} {what}" for name, what in found.items())
+                        for r, found in (list(changed.items())[:1] if same else changed.items()))
+    if changes:
+        cause, hint = (f"{cause}. They changed after the model was wrapped ({changes}), and DDP averages the "
+                       "parameters it was built with", "build the final model (new heads, frozen layers) "
+                       "before wrapping it in DistributedDataParallel, or wrap it again after the change; "
+                       "find_unused_parameters=True would hide this error, and the new parameters would "
+                       "still train on each rank alone.")
+    else:
+        hint = ("pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
+                "loss) depends on every parameter; freeze parameters you do not train with "
+                "requires_grad_(False) before wrapping the model.")
     message = explain(
         "Expected to have finished reduction in the prior iteration before starting a new one (torch's "
         f"DDP says so at the next forward; ddpkit at this backward, where it happens). This error indicates "
         f"that {cause}: they received no gradient in this backward pass, so their buckets could not be "
-        f"averaged ({mode}): {listed} (this is rank {rank}).",
-        "pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
-        "loss) depends on every parameter; freeze parameters you do not train with "
-        "requires_grad_(False) before wrapping the model.", who=_DDP)
+        f"averaged ({mode}): {listed} (this is rank {rank}).", hint, who=_DDP)
     return UnusedParametersError(message, rank=rank, by_rank=by_rank, static_graph=static_graph)
+
+
+def parameters_changed_warning(rank: int, changes: Mapping[str, str]) -> str:
+    """The parameters replaced or added since wrapping: their gradients are never averaged."""
+    listed = ", ".join(f"{name!r} ({what})" for name, what in changes.items())
+    return explain(
+        f"the module's parameters changed after it was wrapped: {listed}. DDP averages the "
+        "parameters it was built with, so these train on each rank alone and the ranks drift apart.",
+        "build the final model (new heads, unfrozen layers) before wrapping it in DistributedDataParallel, "
+        "or wrap it again after the change.", who=_DDP, rank=rank)
 
 
 def unfinished_backward_error(rank: int) -> RuntimeError:

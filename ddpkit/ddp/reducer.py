@@ -32,6 +32,7 @@ from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
 from ddpkit.ddp.create_graph import join_graphs, set_aside
 from ddpkit.ddp.ddp_logger import DDPLogger
 from ddpkit.ddp.iteration import Iteration, Phase
+from ddpkit.ddp.parameter_watch import ParameterWatch
 from ddpkit.ddp.profiling import bucket_range, profiled
 from ddpkit.ddp.reducer_config import ReducerConfig
 from ddpkit.ddp.reducer_forward import ReducerForward
@@ -51,7 +52,8 @@ class Reducer(ReducerConfig, ReducerForward):
     ``in_place_bytes``: see Note [Big gradients in place] (0: never; None: ``IN_PLACE_BYTES``, kept
     after the rebuild where ``in_place_pays`` on rank 0); ``one_block``: the device types
     whose buckets share one block (Note [One block per device]); ``adopt``: see Note [Averages in
-    their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only."""
+    their slots]; ``logger``: the DDP's (torch's logging data), else one of its own that notes errors only;
+    ``watch``: the DDP's, which says what became of parameters changed since wrapping."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: Any,
                  cap_bytes: int, first_cap_bytes: int, *, find_unused_parameters: bool = False,
@@ -59,7 +61,7 @@ class Reducer(ReducerConfig, ReducerForward):
                  split_bytes: int = SPLIT_BUCKET_BYTES, bucket_type: type[Bucket] = Bucket,
                  cap_list: Sequence[int] = (), skip_unused: bool = False, sparse: Sequence[str | None] = (),
                  in_place_bytes: int | None = None, one_block: Sequence[str] = ONE_BLOCK_DEVICES,
-                 adopt: bool = True, logger: DDPLogger | None = None):
+                 adopt: bool = True, logger: DDPLogger | None = None, watch: ParameterWatch | None = None):
         self.params = list(params)
         self.names = list(names)
         self.group = process_group
@@ -87,6 +89,7 @@ class Reducer(ReducerConfig, ReducerForward):
         self.forwards = 0  # synced forward passes
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
         self.logger = logger if logger is not None else DDPLogger()  # sampled timings, the last error
+        self.watch = watch  # the DDP's module against these parameters, at the sampled forwards
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
         # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
         # see Note [Accumulator hooks] in docs/design.md. Never removed, so their handles are not
@@ -226,7 +229,9 @@ class Reducer(ReducerConfig, ReducerForward):
                     self.usage.settle(reduced, it.used)
                 elif failed:  # some rank lacked gradients: raise on every rank
                     buckets[-1].flag.zero_()
-                    self.collectives.raise_missing([self.names[i] for i in missing], self.usage.static_graph)
+                    names = [self.names[i] for i in missing]
+                    self.collectives.raise_missing(names, self.usage.static_graph,
+                                                   self.watch.changes(names) if self.watch else None)
                 self.layout.write_back(self.usage.write_mask, adopt=self.adopt and not self.usage.static_graph
                                        and self.collectives.comm_hook is None)
                 outcome = Phase.FINALIZED

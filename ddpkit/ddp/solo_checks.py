@@ -21,6 +21,7 @@ import torch
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
 from ddpkit.ddp.outputs import backward_entries
+from ddpkit.ddp.parameter_watch import ParameterWatch
 from ddpkit.ddp.python_reducer import python_reducer_requested
 from ddpkit.runtime.process_group import current_env
 
@@ -32,9 +33,11 @@ _IDLE, _ARMED, _RUNNING = range(3)  # after a backward: idle until the next sync
 class SoloChecks:
     """Count each parameter's gradients in a synced backward; raise as the reducer would."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], logger: Any) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], logger: Any,
+                 watch: ParameterWatch | None = None) -> None:
         self.names = list(names)
         self.logger = logger  # the DDP's: an error raised here is its last error, as the reducer's
+        self.watch = watch  # what became of the parameters that got no gradient, for the error
         self.enabled = True  # False once _set_static_graph() says the graph is static
         self._ready = [False] * len(self.names)
         self._phase = _IDLE
@@ -101,7 +104,8 @@ class SoloChecks:
         missing = [name for name, ready in zip(self.names, self._ready) if not ready]
         self._reset()
         if missing:
-            raise self.logger.logged(errors.unused_gradient_error(0, [(0, missing)], False))
+            changed = {0: self.watch.changes(missing)} if self.watch is not None else None
+            raise self.logger.logged(errors.unused_gradient_error(0, [(0, missing)], False, changed))
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.names)
@@ -113,7 +117,8 @@ def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -
     if (ddp.process_group is None or ddp.world_size != 1 or not named or ddp.find_unused_parameters
             or ddp.static_graph or python_reducer_requested() or _single_process_fallback()):
         return None
-    return SoloChecks([p for _, p in named], [n for n, _ in named], ddp.logger)
+    return SoloChecks([p for _, p in named], [n for n, _ in named], ddp.logger,
+                      ParameterWatch(ddp.module, named, ddp.parameters_to_ignore))
 
 
 def _single_process_fallback() -> bool:
