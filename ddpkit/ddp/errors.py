@@ -22,12 +22,11 @@ from ddpkit.errors import (
     explain,
 )
 
-__all__ = ["not_a_module_error", "warn_create_graph", "late_gradient_warning", "warn_at_user_code",
-           "FIND_UNUSED_WITH_STATIC_GRAPH",
-           "second_gradient_error", "static_graph_changed_error",
-           "unused_gradient_error", "parameters_changed_warning", "unfinished_backward_error",
-           "stale_output_error", "late_static_graph_error",
-           "ranks_disagree_error", "refused_elsewhere_error"]
+__all__ = ["not_a_module_error", "no_parameters_error", "warn_create_graph", "late_gradient_warning",
+           "no_forward_warning", "warn_at_user_code", "FIND_UNUSED_WITH_STATIC_GRAPH", "second_gradient_error",
+           "static_graph_changed_error", "unused_gradient_error", "parameters_changed_warning",
+           "unfinished_backward_error", "stale_output_error", "late_static_graph_error", "ranks_disagree_error",
+           "refused_elsewhere_error"]
 
 _DDP = "DistributedDataParallel"
 
@@ -44,6 +43,17 @@ def no_parameters_error(rank: int) -> RuntimeError:
         f"{_DDP} is not needed when a module doesn't have any parameter that requires a gradient (on rank "
         f"{rank}, none of its parameters requires one, or all are ignored).",
         "wrap the module once some parameters train (requires_grad_(True)), or leave it unwrapped."))
+
+
+def no_forward_warning(rank: int, name: str) -> str:
+    """A gradient arrived before any forward through the DDP: the wrapped module was called directly
+    from the start. torch's DDP says nothing, and each rank trains alone."""
+    return explain(
+        f"a gradient for '{name}' arrived, but no forward has run through the DistributedDataParallel "
+        "wrapper yet: the module was called directly (ddp.module(x), or the model object kept from before "
+        "wrapping), so its gradients are not averaged and each rank trains alone (said once).",
+        "call the wrapper, ddp(x), for the forward; wrap it in ddp.no_sync() where the gradients are meant "
+        "to stay local.", who=_DDP, rank=rank)
 
 
 def late_gradient_warning(rank: int, name: str) -> str:

@@ -87,6 +87,7 @@ class Reducer(ReducerConfig, ReducerForward):
         self._big = [is_big(p, bucket_type.big_numel) for p in self.params]  # scaled by their own hooks
         self.iterations = 0  # synced backward passes, real or shadowed (join)
         self.forwards = 0  # synced forward passes
+        self.forward_seen = False  # a forward of any kind went through the DDP (or its warning was said)
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
         self.logger = logger if logger is not None else DDPLogger()  # sampled timings, the last error
         self.watch = watch  # the DDP's module against these parameters, at the sampled forwards
@@ -115,6 +116,9 @@ class Reducer(ReducerConfig, ReducerForward):
             if phase is _IDLE:  # a local step (no_sync): torch counts this parameter as used
                 if self.usage.find_unused:
                     self.usage.used_locally[index] = True
+                if not self.forward_seen:  # none through the DDP yet: the module was called directly
+                    self.forward_seen = True  # said once
+                    errors.warn_at_user_code(errors.no_forward_warning(self.rank, self.names[index]))
                 return
             if phase is _FINALIZED:  # torch's DDP leaves such a gradient local too; it says nothing
                 if not it.late_warned:

@@ -39,6 +39,7 @@ class ReducerForward:
     watch: ParameterWatch | None
     iterations: int
     forwards: int
+    forward_seen: bool
     _iteration: Iteration
 
     def _end_iteration(self, it: Iteration, phase: Phase, counted: bool = True) -> None:
@@ -70,6 +71,7 @@ class ReducerForward:
         if unused and isinstance(unused[0], torch.Tensor):
             unused = self.unreached(unused)
         self.forwards += 1
+        self.forward_seen = True
         self._iteration.arm(self.forwards)
         self.usage.note_forward(unused, self.iterations)
         if self.logger.timing:  # a sampled iteration: its backward begins, its gradients' order is noted
@@ -99,4 +101,5 @@ class ReducerForward:
 
     def prepare_for_local_backward(self) -> None:
         """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""
+        self.forward_seen = True
         self._iteration.disarm()

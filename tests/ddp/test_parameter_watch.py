@@ -1,9 +1,10 @@
-"""Parameters changed after wrapping: a replaced head, a layer unfrozen or frozen, named as such.
+"""Gradients that DDP cannot average, said as such: parameters changed after wrapping, a module called directly.
 
-DDP averages the parameters it was built with. torch's DDP says nothing when a script replaces a head
-after wrapping (the new head trains on each rank alone), and its error for the old head's missing
-gradient recommends find_unused_parameters=True, which hides the change. ddpkit warns at a sampled
-forward and says in that error what became of the parameters.
+DDP averages the parameters it was built with, in backwards that follow its own forward. torch's DDP
+says nothing when a script replaces a head after wrapping (the new head trains on each rank alone),
+and its error for the old head's missing gradient recommends find_unused_parameters=True, which hides
+the change; nor when the script calls the wrapped module rather than the wrapper. ddpkit warns once,
+and says in that error what became of the parameters.
 """
 from __future__ import annotations
 
@@ -173,3 +174,40 @@ def _group_of_one_worker() -> str | None:
 def test_a_group_of_one_names_the_replaced_head_too():
     (error,) = run_ranks(_group_of_one_worker, 1)
     assert error is not None and "on rank 0: 'fc.weight' replaced by a new parameter" in error
+
+
+def _module_called_directly_worker(accumulate_first: bool) -> tuple[list[str], bool]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = _Net()
+    ddp = ddpkit.DDP(net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.full((2, 4), float(rank + step))
+            if accumulate_first:  # a local micro-batch through the wrapper, then a synced one
+                with ddp.no_sync():
+                    ddp(x).sum().backward()
+                ddp(x).sum().backward()
+            else:
+                net(x).sum().backward()  # the wrapper never runs: nothing is averaged
+    grads = [torch.zeros_like(net.fc.weight) for _ in range(2)]
+    dist.all_gather(grads, net.fc.weight.grad)
+    return [str(w.message) for w in caught], torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_module_called_directly_from_the_start_is_said_once():
+    for rank, (warned, same) in enumerate(run_ranks(_module_called_directly_worker, 2, args=(False,))):
+        assert not same  # as with torch's DDP: each rank kept its own gradients
+        assert len(warned) == 1, warned
+        assert warned[0].startswith(f"DistributedDataParallel on rank {rank}: a gradient for 'fc.bias' arrived, "
+                                    "but no forward has run through the DistributedDataParallel wrapper yet")
+        assert "HINT: call the wrapper, ddp(x)" in warned[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_first_step_under_no_sync_is_no_direct_call():
+    assert run_ranks(_module_called_directly_worker, 2, args=(True,)) == [([], True), ([], True)]
