@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
@@ -54,8 +55,8 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
     agent_hosts_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     hosting = env.rank == 0 and not agent_hosts_store
     me = JobRecord.here(job_id(environ, env.launcher), env.world_size, f"rank {env.rank}")
-    store = _host(env, address, environ, deadline) if hosting else _connect(env, address, timeout, deadline,
-                                                                             agent_hosts_store)
+    store = (_host(env, address, environ, deadline) if hosting
+             else _connect(env, address, timeout, deadline, agent_hosts_store, notice_after, environ))
     if hosting:
         claim(store, me)
     else:
@@ -81,7 +82,7 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
             address=address, timeout=None)
     if group.add("arrived", 1) == env.world_size:
         group.set("complete", "1")
-    _wait_complete(env, store, group, address, timeout, deadline, notice_after)
+    _wait_complete(env, store, group, address, timeout, deadline, notice_after, environ)
     return group
 
 
@@ -92,7 +93,7 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
     MASTER_ADDR. Where that names no address of this host (a typo, another node, a NAT's public
     address, a name not resolvable yet) the connection would hang for torch's 5 minutes, past
     ``init(timeout=...)``: it goes over loopback instead, with a notice, and the others' arrival
-    within the deadline tells whether they found it.
+    within the deadline tells whether they found it (on one node they take loopback too).
     """
     try:
         own = env.master_addr if _names_this_host(env.master_addr) else "127.0.0.1"
@@ -100,9 +101,11 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
     except OSError as e:  # perhaps not yet: a pod's own DNS name comes a few seconds after it starts
         own, why = "127.0.0.1", f"does not resolve here ({e})"
     if own != env.master_addr:
+        others = ("every rank is on this node and reaches it over loopback, but set MASTER_ADDR to this host"
+                  if env.local_world_size == env.world_size else "the other ranks look for it there. If they "
+                  "cannot reach it, init() fails when its timeout runs out: set MASTER_ADDR to this host")
         _tell(f"{rank_prefix(env.rank)}ddpkit: MASTER_ADDR={env.master_addr} {why} ({socket.gethostname()}), "
-              "where rank 0 hosts the rendezvous; the other ranks look for it there. If they cannot reach "
-              "it, init() fails when its timeout runs out: set MASTER_ADDR to this host.")
+              f"where rank 0 hosts the rendezvous; {others}.")
     try:
         return dist.TCPStore(own, env.master_port, env.world_size, is_master=True, wait_for_workers=False,
                              timeout=_left(deadline))
@@ -123,13 +126,31 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
             address=address, timeout=None) from e
 
 
-def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, agent: bool) -> dist.Store:
+def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, agent: bool, notice_after: float,
+             environ: Mapping[str, str]) -> dist.Store:
+    """Connect to the store, saying every ``notice_after`` seconds (0: never) why it cannot yet.
+
+    In a job on one node, where rank 0 hosts the store, a MASTER_ADDR that names no address of this
+    host is reached over loopback, as rank 0 itself does.
+    """
+    who = "the launcher" if agent else "rank 0"
+    host = env.master_addr if agent or env.local_world_size < env.world_size else _own_address(env.master_addr)
+    start = time.monotonic()
+    notice = [start + notice_after if notice_after > 0 else float("inf")]
+
+    def tell_if_due(reason: str) -> None:
+        now = time.monotonic()
+        if now >= notice[0]:
+            notice[0] = now + notice_after
+            _tell(f"{rank_prefix(env.rank)}ddpkit: this rank cannot reach the rendezvous at {address} yet ({who} "
+                  f"hosts it): {reason}; for {now - start:.0f} s, it gives up in {deadline - now:.0f} s. Check "
+                  f"that MASTER_ADDR and MASTER_PORT are the same on every rank and that {who} is running."
+                  + _scheduler_hints(env, environ))
+
     try:
-        _wait_until_listening(env.master_addr, env.master_port, deadline)
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
-                             timeout=_left(deadline), wait_for_workers=False)
+        _wait_until_listening(host, env.master_port, deadline, tell_if_due)
+        return _client_store(host, env.master_port, env.world_size, deadline, tell_if_due)
     except (RuntimeError, OSError) as e:
-        who = "the launcher" if agent else "rank 0"
         raise RendezvousError(explain(
             f"rank {env.rank} could not reach the rendezvous at {address} within "
             f"{timeout.total_seconds():.0f} s ({who} hosts it): {e}.",
@@ -138,8 +159,46 @@ def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, ag
             address=address, timeout=timeout.total_seconds()) from e
 
 
+def _client_store(host: str, port: int, world_size: int, deadline: float,
+                  tell_if_due: Callable[[str], None]) -> dist.Store:
+    """torch's store client, made on a thread of its own: its handshake with a listener that is no
+    store (another program holds the port) waits forever, past its timeout. The thread is left
+    behind, blocked, when the deadline passes; the error that follows ends the job."""
+    made: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(host, port, world_size, is_master=False, timeout=_left(deadline),
+                                          wait_for_workers=False)
+        except Exception as e:  # raised again on the calling thread
+            made["error"] = e
+
+    thread = threading.Thread(target=connect, name="ddpkit-rendezvous-connect", daemon=True)
+    thread.start()
+    while True:
+        thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        if not thread.is_alive():
+            break
+        if time.monotonic() >= deadline:
+            raise OSError(f"what listens on port {port} of {host} accepted the connection but never answered "
+                          "as a rendezvous store: another program may hold the port")
+        tell_if_due(f"what listens on port {port} of {host} accepted the connection but does not answer as a "
+                    "rendezvous store; another program may hold the port")
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
+
+
+def _own_address(master_addr: str) -> str:
+    """MASTER_ADDR where it names this host, else loopback (a job on one node: rank 0 is here)."""
+    try:
+        return master_addr if _names_this_host(master_addr) else "127.0.0.1"
+    except OSError:  # does not resolve (yet): rank 0 listens here all the same
+        return "127.0.0.1"
+
+
 def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: str, timeout: timedelta,
-                   deadline: float, notice_after: float) -> None:
+                   deadline: float, notice_after: float, environ: Mapping[str, str]) -> None:
     """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused, and every
     rank, after ``notice_after`` seconds, who it waits for."""
     pause, seen = _POLL[0], 0
@@ -154,7 +213,7 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
                 seen = tell_of_intruders(store, seen, address, _tell)
             if now >= notice:
                 notice = now + notice_after
-                _tell_waiting(env, group, address, now - start, deadline - now)
+                _tell_waiting(env, group, address, now - start, deadline - now, environ)
             time.sleep(pause)
             pause = min(_POLL[1], pause * 2)
     except (RuntimeError, OSError, TimeoutError) as e:
@@ -171,13 +230,32 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             address=address, timeout=timeout.total_seconds()) from e
 
 
-def _tell_waiting(env: DistEnv, group: dist.Store, address: str, waited: float, left: float) -> None:
+def _tell_waiting(env: DistEnv, group: dist.Store, address: str, waited: float, left: float,
+                  environ: Mapping[str, str]) -> None:
     """``ddpkit: rank 0 waits in init() for the other ranks: 1 of WORLD_SIZE=2 joined, missing: rank 1``."""
     missing = _missing(group, env.world_size) if env.rank == 0 else ""
     _tell(f"{rank_prefix(env.rank)}ddpkit: this rank waits in ddpkit.init() at {address} for the others: "
           f"{group.add('arrived', 0)} of WORLD_SIZE={env.world_size} ranks joined{missing}, for {waited:.0f} s; "
           f"it gives up in {left:.0f} s. A rank late to init() is still starting, or stuck before it; one "
-          "that never comes was launched with another MASTER_ADDR/MASTER_PORT or WORLD_SIZE, or failed.")
+          "that never comes was launched with another MASTER_ADDR/MASTER_PORT or WORLD_SIZE, or failed."
+          + _scheduler_hints(env, environ))
+
+
+def _scheduler_hints(env: DistEnv, environ: Mapping[str, str]) -> str:
+    """What the scheduler's own variables add to a wait: srun lets the other tasks live on when one
+    fails, and a WORLD_SIZE set by hand may not count the tasks it started."""
+    hints = []
+    tasks_name = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+                       if environ.get(n, "").strip()), None)
+    if "TORCHELASTIC_RUN_ID" in environ or tasks_name is None:
+        return ""
+    if tasks_name.startswith("SLURM") and "SLURM_PROCID" in environ:
+        hints.append(" Under srun, a task that failed leaves the others running unless srun was given "
+                     "--kill-on-bad-exit=1; srun's output names it.")
+    if env.launcher == "torchrun" and environ[tasks_name].strip() != str(env.world_size):
+        hints.append(f" WORLD_SIZE={env.world_size} was set by hand, but {tasks_name}={environ[tasks_name].strip()} "
+                     "processes were started: if each is one rank, WORLD_SIZE is wrong.")
+    return "".join(hints)
 
 
 def _missing(group: dist.Store, world_size: int) -> str:
@@ -209,8 +287,9 @@ def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.1, deadline - time.monotonic()))
 
 
-def _wait_until_listening(host: str, port: int, deadline: float) -> None:
-    """Return once ``host:port`` accepts a connection; OSError at the deadline."""
+def _wait_until_listening(host: str, port: int, deadline: float, tell_if_due: Callable[[str], None]) -> None:
+    """Return once ``host:port`` accepts a connection; OSError at the deadline. Meanwhile
+    ``tell_if_due`` hears why not, each try."""
     while True:
         try:
             with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
@@ -218,4 +297,5 @@ def _wait_until_listening(host: str, port: int, deadline: float) -> None:
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise OSError(f"nothing accepted a connection there ({e})") from e
+            tell_if_due(f"nothing accepts a connection on port {port} of {host} ({e})")
             time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

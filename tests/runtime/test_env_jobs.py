@@ -16,6 +16,9 @@ MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_W
           "PMIX_NAMESPACE": "2052915201", "PMIX_RANK": "0"}
 BATCH = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2",
          "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "vm", "SLURM_LOCALID": "0"}
+# salloc -n 2's shell (as SLURM 22 sets it on the submit host): the job's variables, no task's
+SALLOC = {"SLURM_JOB_ID": "31", "SLURM_JOBID": "31", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2",
+          "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "vm", "SLURM_NNODES": "1", "SLURM_SUBMIT_HOST": "vm"}
 
 
 @pytest.mark.parametrize("environ, launcher, expected", [
@@ -100,3 +103,20 @@ def test_pmix_without_any_size_names_every_variable_it_tried():
 def test_srun_and_mpirun_ranks_share_the_cores_like_ddpkit_runs_workers(launcher, local, environ, cores,
                                                                        expected):
     assert thread_share(launcher, local, environ, cores) == expected
+
+
+def test_salloc_shell_asking_for_several_tasks_is_refused_not_run_as_one_process():
+    with pytest.raises(LauncherVariableError, match=r"^SLURM job 31 asks for SLURM_NTASKS=2 tasks, but this process "
+                                                    r"is not one of them: SLURM_PROCID is unset.*HINT: start the "
+                                                    r"script with srun") as caught:
+        detect(SALLOC)
+    assert caught.value.variable == "SLURM_PROCID"
+
+
+@pytest.mark.parametrize("extra", [{"SLURM_NTASKS": "1", "SLURM_NPROCS": "1"}, MPIRUN,
+                                   {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "vm", "MASTER_PORT": "29500",
+                                    "TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}],
+                         ids=["one_task", "mpirun", "torchrun"])
+def test_salloc_shell_with_one_task_or_a_launcher_inside_is_no_refusal(extra):
+    env = detect({**SALLOC, **extra})
+    assert env.world_size == (1 if extra.get("SLURM_NTASKS") == "1" else 2)

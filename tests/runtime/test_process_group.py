@@ -204,6 +204,65 @@ def test_unreachable_rendezvous_names_the_address():
 
 
 @pytest.mark.timeout(60)
+def test_a_rank_that_cannot_reach_rank_0_says_so_every_stall_timeout():
+    with socket.socket() as held:  # bound but not listening: nothing accepts
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        env = {**rank_env(1, 2, port, agent_store=False), "DDPKIT_STALL_TIMEOUT": "0.5"}
+        result = _run_python(INIT_WITH_SHORT_TIMEOUT, env)
+    assert result.returncode == 3, result.stderr
+    notices = [line for line in result.stderr.splitlines() if "cannot reach the rendezvous" in line]
+    assert 2 <= len(notices) <= 4, result.stderr  # every 0.5 s of the 2 s timeout
+    assert notices[0].startswith(f"[rank 1] ddpkit: this rank cannot reach the rendezvous at 127.0.0.1:{port} yet "
+                                 f"(rank 0 hosts it): nothing accepts a connection on port {port}"), notices[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_port_held_by_a_program_that_is_no_store_fails_a_connecting_rank_at_its_deadline():
+    # torch's client waits forever for such a listener's answer, past its own timeout
+    with socket.socket() as listener:  # accepts connections (the kernel's backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        env = {**rank_env(1, 2, port, agent_store=False), "DDPKIT_STALL_TIMEOUT": "0.5"}
+        result = _run_python(INIT_WITH_SHORT_TIMEOUT, env)
+    assert result.returncode == 3, result.stderr
+    assert (f"rank 1 could not reach the rendezvous at 127.0.0.1:{port} within 2 s (rank 0 hosts it): what listens "
+            f"on port {port} of 127.0.0.1 accepted the connection but never answered as a rendezvous store: "
+            "another program may hold the port") in result.stdout
+    assert _gave_up_after(result.stdout) < 3.5
+    assert "does not answer as a rendezvous store" in result.stderr  # said while it waited
+
+
+JOIN_AND_SUM = """
+    import torch, ddpkit
+    env = ddpkit.init(backend="gloo", timeout=20)
+    t = torch.ones(1)
+    ddpkit.all_reduce(t)
+    print(f"rank {env.rank} sum {t.item():.0f}")
+    ddpkit.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_on_one_node_a_master_addr_that_does_not_resolve_is_reached_over_loopback_by_every_rank():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
+    ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(JOIN_AND_SUM)],
+                              env={**clean, **rank_env(r, 2, port, agent_store=False), "MASTER_ADDR": "nohost.invalid"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=50) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [out for out, _ in outputs] == ["rank 0 sum 2\n", "rank 1 sum 2\n"], outputs
+    assert "every rank is on this node and reaches it over loopback" in outputs[0][1]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("address", ["nohost.invalid", "198.51.100.7"])  # no name; a documentation address
 def test_rank_0_with_a_master_addr_not_of_this_host_keeps_its_deadline(address):
     # torch's own connection to MASTER_ADDR retried for 5 minutes past init(timeout=...)
@@ -272,3 +331,22 @@ def _spawned_like_the_tutorials():
 
 def test_a_group_made_by_hand_on_loopback_puts_every_rank_on_this_host():
     assert run_ranks(_spawned_like_the_tutorials, 2, init=False) == [(r, 2, r, 2, 0, "torchrun") for r in range(2)]
+
+
+@pytest.mark.parametrize("environ, said", [
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, ["--kill-on-bad-exit=1"]),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "RANK": "0", "WORLD_SIZE": "4"},
+     ["--kill-on-bad-exit=1", "WORLD_SIZE=4 was set by hand, but SLURM_STEP_NUM_TASKS=2 processes were started"]),
+    ({"OMPI_COMM_WORLD_SIZE": "3", "RANK": "0", "WORLD_SIZE": "4"},
+     ["WORLD_SIZE=4 was set by hand, but OMPI_COMM_WORLD_SIZE=3 processes"]),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "4"}, []),
+    ({}, []),
+], ids=["srun", "srun_world_size_by_hand", "mpirun_world_size_by_hand", "torchrun_in_srun", "none"])
+def test_a_wait_in_init_adds_what_the_scheduler_says(environ, said):
+    from ddpkit.runtime.env import detect
+    from ddpkit.runtime.rendezvous import _scheduler_hints
+
+    env = detect({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+                 if "RANK" in environ else {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    hints = _scheduler_hints(env, environ)
+    assert all(s in hints for s in said) and bool(hints) == bool(said), hints

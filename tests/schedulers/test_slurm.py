@@ -104,6 +104,16 @@ def test_a_batch_script_without_srun_is_told_to_use_srun_at_once(slurm, tmp_path
     assert end - start < 20, output  # python's start-up only: not the 60 s rendezvous timeout
 
 
+def test_salloc_without_srun_is_told_to_use_srun_at_once(slurm):
+    start = time.monotonic()
+    result = slurm.run("salloc", "-n2", "--overcommit", sys.executable, str(COLLECTIVE), "1", "60",
+                       env=python_env(), cwd=REPO, timeout=120)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert re.search(r"SLURM job \d+ asks for SLURM_NTASKS=2 tasks, but this process is not one of them: "
+                     r"SLURM_PROCID is unset.*HINT: start the script with srun", result.stderr), result.stderr
+    assert time.monotonic() - start < 30  # not the 60 s rendezvous timeout, nor a world of one's success
+
+
 def test_a_single_task_batch_script_runs_as_a_world_of_one(slurm, tmp_path):
     _, output, _ = _submit(slurm, tmp_path, "-n1", "--wrap", f"{sys.executable} {COLLECTIVE}")
     [line] = rank_lines(output)

@@ -42,7 +42,10 @@ _NODE_COUNT_OF = {"SLURM_STEP_NODELIST": "SLURM_STEP_NUM_NODES", "SLURM_JOB_NODE
 
 
 def from_slurm(environ: Mapping[str, str]) -> DistEnv | None:
-    if "SLURM_PROCID" not in environ or _outside_a_step(environ):
+    if "SLURM_PROCID" not in environ:
+        _refuse_allocation_shell(environ)
+        return None
+    if _outside_a_step(environ):
         return None
     rank = read_int(environ, "SLURM_PROCID")
     tasks_name, nodes_name = first_set(environ, *_SLURM_TASKS), first_set(environ, *_SLURM_NODES)
@@ -125,6 +128,25 @@ def _outside_a_step(environ: Mapping[str, str]) -> bool:
                      "start the script with srun inside the batch script, e.g. 'srun python train.py' "
                      "(or sbatch --wrap 'srun python train.py'); srun starts one task per --ntasks.")
     return False  # a single-task batch script: a world of one, as SLURM_PROCID=0 of 1 says
+
+
+def _refuse_allocation_shell(environ: Mapping[str, str]) -> None:
+    """salloc's shell (``salloc -n 2 python train.py``, srun forgotten) has the job's variables but no
+    SLURM_PROCID: not a task, so the tasks asked for never start. Refused, as the batch script is,
+    rather than run as a lone process; an mpirun's ranks there are MPI's (another reader)."""
+    job = (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or "").strip()
+    tasks_name = first_set(environ, *_SLURM_TASKS)
+    if (not job or tasks_name is None or first_set(environ, *_SLURM_STEP_ONLY)
+            or any(names[0] in environ for names in MPI_FLAVOURS)):
+        return
+    tasks = read_int(environ, tasks_name, minimum=1)
+    if tasks > 1:
+        raise refuse("SLURM_PROCID", None,
+                     f"SLURM job {job} asks for {tasks_name}={tasks} tasks, but this process is not one of "
+                     "them: SLURM_PROCID is unset, as in salloc's shell, so the other "
+                     f"{tasks - 1} task(s) will never start.",
+                     "start the script with srun, e.g. 'srun python train.py', which starts one task per "
+                     "--ntasks; to run a single process here, 'srun -n 1 python train.py'.")
 
 
 def _check_node_count(nodes_name: str | None, num_nodes: int | None, nodelist_name: str | None,
