@@ -7,11 +7,15 @@ rank 0 waits in it while rank 1 goes on to the next step's gradient all-reduce. 
 (60 by default) every rank prints the hang report, and the job ends with exit code 86
 (``ddpkit.HANG_EXIT_CODE``) instead of waiting for the collective timeout.
 """
+import os
+import tempfile
+
 import torch
 
 import ddpkit
 
 env = ddpkit.init()
+checkpoint = os.path.join(tempfile.gettempdir(), "hang_demo.pt")
 model = ddpkit.DistributedDataParallel(torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(5):
@@ -20,5 +24,5 @@ for step in range(5):
     loss.backward()
     opt.step()
     if env.rank == 0 and step == 2:
-        ddpkit.save(model.module.state_dict(), "/tmp/hang_demo.pt")  # the bug: only rank 0 gets here
+        ddpkit.save(model.module.state_dict(), checkpoint)  # the bug: only rank 0 gets here
 ddpkit.print("done")

@@ -189,7 +189,7 @@ def test_off_with_zero(tmp_path):
 def test_ddpkit_run_summary_carries_the_report(tmp_path):
     demo = Path(__file__).resolve().parents[2] / "examples" / "hang_demo.py"
     line = next(n for n, text in enumerate(demo.read_text().splitlines(), 1) if "the bug" in text)
-    env = {**os.environ, "DDPKIT_STALL_TIMEOUT": str(STALL)}
+    env = {**os.environ, "DDPKIT_STALL_TIMEOUT": str(STALL), "TMPDIR": str(tmp_path)}  # where it saves
     done = subprocess.run([sys.executable, "-m", "ddpkit", "run", "--nproc-per-node", "2", str(demo)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == HANG_EXIT_CODE, done.stderr

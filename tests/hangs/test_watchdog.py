@@ -42,7 +42,7 @@ def _run_inquiry(monkeypatch, capsys, arrive, certain=False, waiting=False) -> s
         log.pending.append(stuck)
     monkeypatch.setattr(watchdog_module, "build_report", lambda *a, **k: {
         "text": "REPORT", "certain": certain, "picture": "slow rank 1", "readers": 0})
-    monkeypatch.setattr(Watchdog, "_end_in_deadlock", lambda self: None)
+    monkeypatch.setattr(Watchdog, "_end_in_deadlock", lambda self, n, readers: None)
     Watchdog(recorder, _LeadingInquiry(lambda: arrive(log)), 5.0, 0)._take_part(1)
     return capsys.readouterr().err
 

@@ -3,7 +3,8 @@
 Never through the process group, which is what is stuck. Keys, under a prefix of the job's own:
 ``info/<rank>`` (pid and host, at init), ``inquiry`` (a counter: inquiry n is open once it reads n),
 ``answer/<n>/<rank>`` (a rank's state), ``lead/<n>`` (the first rank to answer builds the report),
-``report/<n>`` (the report), ``final/<rank>`` (a rank's last word as it leaves the job). The store
+``report/<n>`` (the report), ``read/<n>`` and ``left/<n>`` (how many ranks read it, and left after a
+certain one), ``final/<rank>`` (a rank's last word as it leaves the job). The store
 is polled with ``check``: a ``wait`` that times out makes torch log a warning per call.
 """
 from __future__ import annotations
@@ -116,6 +117,16 @@ class Inquiry:
         deadline = time.monotonic() + seconds
         while self.store.add(f"read/{n}", 0) < readers and time.monotonic() < deadline:
             time.sleep(_POLL)  # the others fetch it on their next poll
+
+    def mark_left(self, n: int) -> None:
+        """This rank has said its last word after certain report ``n``, and leaves."""
+        self.store.add(f"left/{n}", 1)
+
+    def wait_left(self, n: int, others: int, seconds: float) -> None:
+        """Until ``others`` ranks have left after report ``n``, or ``seconds`` passed."""
+        deadline = time.monotonic() + seconds
+        while self.store.add(f"left/{n}", 0) < others and time.monotonic() < deadline:
+            time.sleep(_POLL)
 
     def last_word(self, word: dict[str, Any]) -> None:
         self._put(f"final/{self.rank}", word)

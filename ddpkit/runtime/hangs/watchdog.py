@@ -91,6 +91,9 @@ class Watchdog(threading.Thread):
         self.recorder, self.inquiry, self.stall_timeout, self.rank = recorder, inquiry, stall_timeout, rank
         self.poll = min(1.0, max(0.1, stall_timeout / 20))
         self.main_thread = threading.main_thread().ident
+        # the rendezvous store lives in this process (rank 0, unless torchrun or ddpkit run hosts it):
+        # after a certain verdict it leaves last, so that the others' last store calls find it
+        self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self._stop_event = threading.Event()
         self._wanted = threading.Event()   # a collective failed: inquire at once
         self._served = threading.Event()
@@ -187,23 +190,32 @@ class Watchdog(threading.Thread):
             sys.stderr.flush()
         if report["certain"]:
             sys.stdout.flush()
-            # every rank, not only the one that wrote the report: the rank that hosts the store (rank 0
-            # under SLURM or MPI) must not take it away before the others have read
-            self.inquiry.wait_read(n, report.get("readers", 0), ANSWER_SECONDS)
+            try:
+                # every rank, not only the one that wrote the report: the rank that hosts the store (rank 0
+                # under SLURM or MPI) must not take it away before the others have read
+                self.inquiry.wait_read(n, report.get("readers", 0), ANSWER_SECONDS)
+            except (RuntimeError, OSError):  # the host read it and left first: the report is said
+                quick_exit(self._show_handled_error())
             # a peer that went away by itself closes its connections, and a collective waiting on it
             # raises a moment later: that error goes on to the script, as under torch (Note [Hang reports])
             if report.get("peer_gone") and (self._wanted.is_set() or self._wanted.wait(RAISE_GRACE)):
                 return
-            self._end_in_deadlock()
+            self._end_in_deadlock(n, report.get("readers", 0))
 
-    def _end_in_deadlock(self) -> None:
+    def _end_in_deadlock(self, n: int, readers: int) -> None:
         """End the process; first say so, so that a peer whose collective fails because of this exit
-        does not take it for a failure of its own making (it then ends too)."""
+        does not take it for a failure of its own making (it then ends too). The store's host waits
+        for the others' last words (``readers`` of report ``n``): a store call that finds it gone makes
+        torch print a C++ trace."""
         oldest = self.recorder.oldest_outstanding()
         where = "no collective" if oldest is None else oldest.label()
         try:
             self.inquiry.last_word({"how": "hang", "code": HANG_EXIT_CODE, "where": where,
                                     "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
+            if self.hosts_store:
+                self.inquiry.wait_left(n, readers, ANSWER_SECONDS)
+            else:
+                self.inquiry.mark_left(n)
         except Exception:  # noqa: BLE001 - the store may be gone with the job
             pass
         quick_exit(self._show_handled_error())
