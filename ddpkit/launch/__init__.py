@@ -1,6 +1,7 @@
 """``ddpkit run``: torchrun's flags and worker environment, with a clean stop and a clear summary.
 
-One job per module: ``config`` (flags -> LaunchConfig), ``rendezvous`` (the store workers meet on),
+One job per module: ``config`` (flags -> LaunchConfig), ``scheduler_defaults`` (what srun or
+mpirun says where a flag is not given), ``rendezvous`` (the store workers meet on),
 ``node_rendezvous`` and ``node_watch`` (node launchers meeting, heartbeats, failures), ``workers``
 (environment, start, signal and kill worker trees), ``logs`` (rank-prefixed lines, per-rank files,
 stderr tails), ``signals`` (death signal, subreaper, signal inbox), ``watchdog`` (cleanup after a

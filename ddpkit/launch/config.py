@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ddpkit.errors import explain
+from ddpkit.launch.scheduler_defaults import job_port, srun_task_per_node
 from ddpkit.launch.torchrun_flags import (
     ConsoleFilter,
     add_torchrun_flags,
@@ -27,7 +28,6 @@ from ddpkit.launch.torchrun_flags import (
 )
 from ddpkit.runtime.environments.dist_env import DEFAULT_MASTER_PORT
 from ddpkit.runtime.environments.job import job_id
-from ddpkit.runtime.environments.ports import mpi_port, slurm_port
 from ddpkit.runtime.environments.threads import available_cores
 
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "resolve_nproc_per_node"]
@@ -105,11 +105,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--nnodes", default=pet("nnodes", "1"), metavar="N",
                    help="number of nodes (an integer; torchrun's elastic 'MIN:MAX' is not supported).")
     p.add_argument(*_spellings("node-rank"), dest="node_rank", type=int, metavar="R",
-                   default=pet("node_rank", 0),
-                   help="this node's rank in [0, nnodes). Default 0.")
+                   default=pet("node_rank", None),
+                   help="this node's rank in [0, nnodes). Default 0; under srun with one task per node, "
+                   "the task's rank (SLURM_PROCID).")
     p.add_argument(*_spellings("master-addr"), dest="master_addr", metavar="ADDR",
-                   default=pet("master_addr", "127.0.0.1"),
-                   help="address of node 0, reachable from every node. Default 127.0.0.1.")
+                   default=pet("master_addr", None),
+                   help="address of node 0, reachable from every node. Default 127.0.0.1; under srun with "
+                   "one task per node, the step's first host.")
     p.add_argument(*_spellings("master-port"), dest="master_port", type=int, metavar="PORT",
                    default=pet("master_port", None),
                    help=f"rendezvous port on node 0 (several nodes: default {DEFAULT_MASTER_PORT}); "
@@ -212,6 +214,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             "give every node --nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID, or "
             "--nnodes N --node-rank R --master-addr HOST0 --master-port P."))
     assign = args.rdzv_backend == "c10d" and nnodes > 1
+    srun_task = srun_task_per_node(environ, nnodes) if nnodes > 1 and not assign else None
+    if args.node_rank is None:
+        args.node_rank = srun_task.rank if srun_task else 0
+    if args.master_addr is None:
+        args.master_addr = srun_task.master_addr if srun_task else "127.0.0.1"
     if assign:
         args.node_rank = 0  # ignored, as torchrun ignores it with c10d: the rendezvous numbers the nodes
     if args.standalone and nnodes != 1:
@@ -240,7 +247,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
     if nnodes > 1 and master_port is None:  # under srun/mpirun, every node derives its job's port
-        master_port = slurm_port(environ) or mpi_port(environ) or DEFAULT_MASTER_PORT
+        master_port = job_port(environ)
     master_addr = str(args.master_addr)
     run_id = "none" if args.rdzv_id is None else str(args.rdzv_id)
     if args.standalone:

@@ -37,6 +37,23 @@ def test_workers_are_given_the_launchers_job_and_multi_node_ports_follow_the_sch
     assert parse_args(["--nnodes", "2", "--node-rank", "0", "--master-addr", "n0", "x.py"], {}).master_port == 29500
 
 
+# srun --ntasks-per-node=1 -N 2 ddpkit run --nnodes 2 ...: task 1 of the step, on the second node
+SRUN_TASK_PER_NODE = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "1",
+                      "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+                      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+
+
+def test_under_srun_with_a_task_per_node_the_node_rank_and_node_0_come_from_the_step():
+    config = parse_args(["--nnodes", "2", "x.py"], SRUN_TASK_PER_NODE)
+    assert (config.node_rank, config.master_addr, config.master_port) == (1, "gpu07", 20000 + (4242 * 16) % 12000)
+    given = parse_args(["--nnodes", "2", "--node-rank", "0", "--master-addr", "n0", "x.py"], SRUN_TASK_PER_NODE)
+    assert (given.node_rank, given.master_addr) == (0, "n0")  # the flags win
+    two_per_node = {**SRUN_TASK_PER_NODE, "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    assert (parse_args(["--nnodes", "2", "x.py"], two_per_node).node_rank, parse_args(
+        ["--nnodes", "2", "x.py"], two_per_node).master_addr) == (0, "127.0.0.1")  # torchrun's defaults
+    assert parse_args(["x.py"], SRUN_TASK_PER_NODE).node_rank == 0  # one node: nothing to number
+
+
 @pytest.mark.timeout(60)
 def test_a_node_of_another_run_is_refused_at_once_and_node_0_is_told(tmp_path):
     with socket.socket() as s:

@@ -46,6 +46,16 @@ def test_srun_tasks_all_reduce_on_the_port_of_their_job_step(slurm, tasks):
     assert {line.threads for line in lines} == {max(1, slurm.cpus // tasks)}  # as 'ddpkit run' gives
 
 
+def test_ddpkit_run_once_per_srun_task_numbers_its_nodes_from_the_step(slurm):
+    # srun --ntasks-per-node=1 on N nodes, one launcher each; here two "nodes" of one host
+    result = slurm.run("srun", "--overcommit", "-n2", sys.executable, "-m", "ddpkit", "run", "--nnodes", "2",
+                       "--nproc-per-node", "1", COLLECTIVE, "1", "60", "0", env=python_env(), timeout=180, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = rank_lines(result.stdout)
+    assert sorted(line.rank for line in lines) == [0, 1], result.stdout + result.stderr
+    assert {(line.world_size, line.launcher, line.total) for line in lines} == {(2, "ddpkit", 3)}
+
+
 def test_srun_trains_the_example_to_ddpkit_runs_losses(slurm, reference_losses):
     result = slurm.run("srun", "-n2", sys.executable, EXAMPLE, *TRAIN_FLAGS, env=python_env(), timeout=180,
                        cwd=REPO)
