@@ -34,9 +34,10 @@ def explain(what: str, hint: str | None = None, *, who: str | None = None, rank:
 
 
 def rank_prefix(rank: int) -> str:
-    """``"[rank 3] "`` before a line a rank writes to stderr itself; none under ``ddpkit run``, which
-    prefixes each worker's lines with its rank already."""
-    return "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank {rank}] "
+    """``"[rank3]: "`` before a line a rank writes to stderr itself, as torch prefixes a rank's traceback
+    (one pattern to grep for under srun or mpirun); none under ``ddpkit run``, which prefixes each
+    worker's lines so already."""
+    return "" if os.environ.get("DDPKIT_LAUNCHER") == "ddpkit" else f"[rank{rank}]: "
 
 
 class _Facts:

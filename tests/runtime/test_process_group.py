@@ -185,7 +185,7 @@ def test_a_rank_waiting_for_late_ranks_in_init_says_who_it_waits_for():
     assert result.returncode == 3, result.stderr
     notices = [line for line in result.stderr.splitlines() if "waits in ddpkit.init()" in line]
     assert 2 <= len(notices) <= 4, result.stderr  # every 0.5 s of the 2 s timeout
-    assert notices[0].startswith(f"[rank 0] ddpkit: this rank waits in ddpkit.init() at 127.0.0.1:{store.port}")
+    assert notices[0].startswith(f"[rank0]: ddpkit: this rank waits in ddpkit.init() at 127.0.0.1:{store.port}")
     assert re.search(r"1 of WORLD_SIZE=3 ranks joined, missing: ranks 1, 2, for \d+ s; it gives up in \d+ s",
                      notices[0]), notices[0]
 
@@ -213,7 +213,7 @@ def test_a_rank_that_cannot_reach_rank_0_says_so_every_stall_timeout():
     assert result.returncode == 3, result.stderr
     notices = [line for line in result.stderr.splitlines() if "cannot reach the rendezvous" in line]
     assert 2 <= len(notices) <= 4, result.stderr  # every 0.5 s of the 2 s timeout
-    assert notices[0].startswith(f"[rank 1] ddpkit: this rank cannot reach the rendezvous at 127.0.0.1:{port} yet "
+    assert notices[0].startswith(f"[rank1]: ddpkit: this rank cannot reach the rendezvous at 127.0.0.1:{port} yet "
                                  f"(rank 0 hosts it): nothing accepts a connection on port {port}"), notices[0]
 
 

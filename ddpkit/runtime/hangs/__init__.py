@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ddpkit.errors import rank_prefix
 from ddpkit.runtime.hangs.callsite import call_site, describe_error, format_site, traceback_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
@@ -136,7 +137,8 @@ def start(rank: int, world_size: int, store: dist.Store | None, settings: HangSe
             store = dist.distributed_c10d._get_default_store()
         main_store, watch_store = _stores(store, rank)
     except (RuntimeError, ValueError, AttributeError) as e:
-        sys.stderr.write(f"[rank {rank}] ddpkit: no store to report hangs through ({e}); hang reports are off.\n")
+        sys.stderr.write(f"{rank_prefix(rank)}ddpkit: no store to report hangs through ({e}); hang reports are "
+                         "off.\n")
         return None
     watch = HangWatch(rank, world_size, settings, watch_store, main_store)
     watch.begin()

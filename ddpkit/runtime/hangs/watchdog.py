@@ -242,7 +242,7 @@ class Watchdog(threading.Thread):
         oldest = self.recorder.oldest_outstanding() or self.recorder.latest_failed()
         where = "a collective" if oldest is None else oldest.label()
         first = str(error).splitlines()[0] if str(error) else ""
-        sys.stderr.write(f"[rank {self.rank}] ddpkit: this rank waits in {where}, and the rendezvous store "
+        sys.stderr.write(f"{rank_prefix(self.rank)}ddpkit: this rank waits in {where}, and the rendezvous store "
                          f"is unreachable ({type(error).__name__}: {first}): the launcher or the rank hosting "
                          f"the store has exited. A certain deadlock: ending with exit code {HANG_EXIT_CODE}.\n")
         sys.stderr.flush()
@@ -251,4 +251,4 @@ class Watchdog(threading.Thread):
     def _warn_once(self, text: str) -> None:
         if not self._warned:
             self._warned = True
-            sys.stderr.write(f"[rank {self.rank}] ddpkit: {text}\n")
+            sys.stderr.write(f"{rank_prefix(self.rank)}ddpkit: {text}\n")
