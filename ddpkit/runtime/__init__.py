@@ -2,8 +2,9 @@
 
 ``env`` reads the launchers' variables (one reader per launcher in ``environments/``) into a frozen
 ``DistEnv``; ``process_group`` turns it into a process group (``ddpkit.init``), whose ranks meet in
-``rendezvous``, where ``job_check`` keeps other jobs out and ``port_holder`` names who holds a taken
-port; ``comm`` holds the collectives that also work in a world of one (``ddpkit.env`` and
+``rendezvous`` (connecting through ``store_client``), where ``job_check`` keeps other jobs out,
+``port_holder`` names who holds a taken port and ``refusal`` carries a rank's refused variables to
+the ranks waiting for it; ``comm`` holds the collectives that also work in a world of one (``ddpkit.env`` and
 ``ddpkit.comm`` re-export ``env`` and ``comm``); ``direct`` issues DDP's collectives to the process
 group itself.
 """

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ddpkit.errors import NotInitializedError, explain
+from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
 from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
 from ddpkit.runtime.environments.threads import thread_share
@@ -32,6 +32,7 @@ from ddpkit.runtime.init_settings import (
     choose_backend,
     choose_device,
 )
+from ddpkit.runtime.refusal import tell_the_job
 from ddpkit.runtime.rendezvous import rendezvous
 
 __all__ = [
@@ -110,7 +111,11 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if dist.is_initialized():
         env = _adopt_existing_group()
     else:
-        env, backend = _plan(os.environ, backend)
+        try:
+            env, backend = _plan(os.environ, backend)
+        except LauncherVariableError as e:
+            tell_the_job(os.environ, e)  # the ranks waiting for this one raise it too
+            raise
         _take_share_of_cores(env)
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)

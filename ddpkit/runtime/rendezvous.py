@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 import torch.distributed as dist
 
@@ -25,6 +24,8 @@ from ddpkit.runtime.environments.job import job_id
 from ddpkit.runtime.hangs.report import rank_list
 from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
 from ddpkit.runtime.port_holder import describe_holder
+from ddpkit.runtime.refusal import refusal_for
+from ddpkit.runtime.store_client import connect, seconds_left
 
 __all__ = ["rendezvous"]
 
@@ -82,7 +83,7 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
             address=address, timeout=None)
     if group.add("arrived", 1) == env.world_size:
         group.set("complete", "1")
-    _wait_complete(env, store, group, address, timeout, deadline, notice_after, environ)
+    _wait_complete(env, store, group, address, timeout, deadline, notice_after, environ, me.job)
     return group
 
 
@@ -108,7 +109,7 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
               f"where rank 0 hosts the rendezvous; {others}.")
     try:
         return dist.TCPStore(own, env.master_port, env.world_size, is_master=True, wait_for_workers=False,
-                             timeout=_left(deadline))
+                             timeout=seconds_left(deadline))
     except (RuntimeError, OSError) as e:
         in_use = "EADDRINUSE" in str(e) or "already in use" in str(e)
         if not in_use:
@@ -148,8 +149,7 @@ def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, ag
                   + _scheduler_hints(env, environ))
 
     try:
-        _wait_until_listening(host, env.master_port, deadline, tell_if_due)
-        return _client_store(host, env.master_port, env.world_size, deadline, tell_if_due)
+        return connect(host, env.master_port, env.world_size, deadline, tell_if_due)
     except (RuntimeError, OSError) as e:
         raise RendezvousError(explain(
             f"rank {env.rank} could not reach the rendezvous at {address} within "
@@ -157,36 +157,6 @@ def _connect(env: DistEnv, address: str, timeout: timedelta, deadline: float, ag
             f"check that MASTER_ADDR={env.master_addr} and MASTER_PORT={env.master_port} are the same on "
             "every rank, that rank 0 is running, and that the port is free and reachable."),
             address=address, timeout=timeout.total_seconds()) from e
-
-
-def _client_store(host: str, port: int, world_size: int, deadline: float,
-                  tell_if_due: Callable[[str], None]) -> dist.Store:
-    """torch's store client, made on a thread of its own: its handshake with a listener that is no
-    store (another program holds the port) waits forever, past its timeout. The thread is left
-    behind, blocked, when the deadline passes; the error that follows ends the job."""
-    made: dict[str, Any] = {}
-
-    def connect() -> None:
-        try:
-            made["store"] = dist.TCPStore(host, port, world_size, is_master=False, timeout=_left(deadline),
-                                          wait_for_workers=False)
-        except Exception as e:  # raised again on the calling thread
-            made["error"] = e
-
-    thread = threading.Thread(target=connect, name="ddpkit-rendezvous-connect", daemon=True)
-    thread.start()
-    while True:
-        thread.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-        if not thread.is_alive():
-            break
-        if time.monotonic() >= deadline:
-            raise OSError(f"what listens on port {port} of {host} accepted the connection but never answered "
-                          "as a rendezvous store: another program may hold the port")
-        tell_if_due(f"what listens on port {port} of {host} accepted the connection but does not answer as a "
-                    "rendezvous store; another program may hold the port")
-    if "error" in made:
-        raise made["error"]
-    return made["store"]
 
 
 def _own_address(master_addr: str) -> str:
@@ -198,10 +168,11 @@ def _own_address(master_addr: str) -> str:
 
 
 def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: str, timeout: timedelta,
-                   deadline: float, notice_after: float, environ: Mapping[str, str]) -> None:
-    """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused, and every
-    rank, after ``notice_after`` seconds, who it waits for."""
-    pause, seen = _POLL[0], 0
+                   deadline: float, notice_after: float, environ: Mapping[str, str], job: str | None) -> None:
+    """Wait for every rank; meanwhile rank 0 tells of strangers the job check refused, every rank
+    raises a refusal a process of ``job`` left (``ddpkit.runtime.refusal``), and, after
+    ``notice_after`` seconds, says who it waits for."""
+    pause, seen, refused = _POLL[0], 0, None
     start = time.monotonic()
     notice = start + notice_after if notice_after > 0 else float("inf")
     try:
@@ -209,6 +180,9 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             now = time.monotonic()
             if now >= deadline:
                 raise TimeoutError
+            refused = refusal_for(store, job)
+            if refused is not None:
+                break
             if env.rank == 0:
                 seen = tell_of_intruders(store, seen, address, _tell)
             if now >= notice:
@@ -228,6 +202,13 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
             f"(this is rank {env.rank}).",
             "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
             address=address, timeout=timeout.total_seconds()) from e
+    if refused is not None:
+        raise RendezvousError(explain(
+            f"a process of this job (pid {refused['pid']} on {refused['host']}) refused its launcher variables, "
+            f"so not all of WORLD_SIZE={env.world_size} ranks can join the rendezvous at {address} (this is "
+            f"rank {env.rank}). Its error: {refused['error'].replace(' HINT: ', ' (its hint: ')})",
+            "fix what that error names; under srun, --kill-on-bad-exit=1 also ends the other tasks as soon "
+            "as one fails."), address=address, timeout=None)
 
 
 def _tell_waiting(env: DistEnv, group: dist.Store, address: str, waited: float, left: float,
@@ -282,20 +263,3 @@ def _names_this_host(host: str) -> bool:
 def _tell(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
-
-def _left(deadline: float) -> timedelta:
-    return timedelta(seconds=max(0.1, deadline - time.monotonic()))
-
-
-def _wait_until_listening(host: str, port: int, deadline: float, tell_if_due: Callable[[str], None]) -> None:
-    """Return once ``host:port`` accepts a connection; OSError at the deadline. Meanwhile
-    ``tell_if_due`` hears why not, each try."""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(1.0, _left(deadline).total_seconds())):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise OSError(f"nothing accepted a connection there ({e})") from e
-            tell_if_due(f"nothing accepts a connection on port {port} of {host} ({e})")
-            time.sleep(0.05)  # polling a port that is not open yet: no event to wait on

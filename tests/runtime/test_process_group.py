@@ -234,6 +234,29 @@ def test_a_port_held_by_a_program_that_is_no_store_fails_a_connecting_rank_at_it
     assert "does not answer as a rendezvous store" in result.stderr  # said while it waited
 
 
+@pytest.mark.timeout(60)
+def test_a_process_that_refuses_its_variables_ends_the_wait_of_rank_0():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
+    code = textwrap.dedent(INIT_WITH_SHORT_TIMEOUT).replace("timeout=2", "timeout=30")
+    rank_0 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**clean, **rank_env(0, 2, port, agent_store=False), "DDPKIT_STALL_TIMEOUT": "0.5"})
+    try:
+        waiting = rank_0.stderr.readline()  # its first notice: the store is open (no race with the stray)
+        assert "waits in ddpkit.init()" in waiting, waiting
+        stray = _run_python(INIT_WITH_SHORT_TIMEOUT, {**rank_env(1, 2, port, agent_store=False), "RANK": "5"})
+        out, err = rank_0.communicate(timeout=50)
+    finally:
+        rank_0.kill()
+    assert stray.returncode != 0 and "RANK=5 is out of range for WORLD_SIZE=2" in stray.stderr, stray.stderr
+    assert rank_0.returncode == 3, err
+    assert (f"refused its launcher variables, so not all of WORLD_SIZE=2 ranks can join the rendezvous at "
+            f"127.0.0.1:{port} (this is rank 0). Its error: RANK=5 is out of range for WORLD_SIZE=2") in out, out
+    assert _gave_up_after(out) < 25  # at once, not after its 30 s
+
+
 JOIN_AND_SUM = """
     import torch, ddpkit
     env = ddpkit.init(backend="gloo", timeout=20)

@@ -124,6 +124,29 @@ def test_salloc_without_srun_is_told_to_use_srun_at_once(slurm):
     assert time.monotonic() - start < 30  # not the 60 s rendezvous timeout, nor a world of one's success
 
 
+def test_a_task_that_refuses_its_variables_ends_the_wait_of_the_others_at_once(slurm):
+    # RANK exported before srun: task 1 refuses it, task 0 agrees and would wait the whole timeout,
+    # since srun without --kill-on-bad-exit lets it run on
+    env = python_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(slurm_free_port()))
+    start = time.monotonic()
+    result = slurm.run("srun", "--overcommit", "-n2", sys.executable, COLLECTIVE, "1", "60", "0", env=env,
+                       timeout=120, cwd=REPO)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "RANK=0 but SLURM_PROCID=1" in result.stderr, result.stderr
+    assert re.search(r"a process of this job \(pid \d+ on \S+\) refused its launcher variables, so not all of "
+                     r"WORLD_SIZE=2 ranks can join the rendezvous at 127\.0\.0\.1:\d+ \(this is rank 0\)\. Its error: "
+                     r"RANK=0 but SLURM_PROCID=1", result.stderr), result.stderr
+    assert time.monotonic() - start < 40  # not the 60 s rendezvous timeout
+
+
+def slurm_free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_a_single_task_batch_script_runs_as_a_world_of_one(slurm, tmp_path):
     _, output, _ = _submit(slurm, tmp_path, "-n1", "--wrap", f"{sys.executable} {COLLECTIVE}")
     [line] = rank_lines(output)
