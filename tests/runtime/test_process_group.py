@@ -134,9 +134,19 @@ def test_collectives_keep_torchs_default_timeout_unless_given_one(single_process
     assert _collective_timeout() == 7
 
 
+def _clean_env() -> dict[str, str]:
+    """This process's environment without launcher variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _run_python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env},
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**_clean_env(), **env},
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -236,13 +246,11 @@ def test_a_port_held_by_a_program_that_is_no_store_fails_a_connecting_rank_at_it
 
 @pytest.mark.timeout(60)
 def test_a_process_that_refuses_its_variables_ends_the_wait_of_rank_0():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
+    port = _free_port()
     code = textwrap.dedent(INIT_WITH_SHORT_TIMEOUT).replace("timeout=2", "timeout=30")
     rank_0 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**clean, **rank_env(0, 2, port, agent_store=False), "DDPKIT_STALL_TIMEOUT": "0.5"})
+                              env={**_clean_env(), **rank_env(0, 2, port, agent_store=False),
+                                   "DDPKIT_STALL_TIMEOUT": "0.5"})
     try:
         waiting = rank_0.stderr.readline()  # its first notice: the store is open (no race with the stray)
         assert "waits in ddpkit.init()" in waiting, waiting
@@ -269,12 +277,10 @@ JOIN_AND_SUM = """
 
 @pytest.mark.timeout(60)
 def test_on_one_node_a_master_addr_that_does_not_resolve_is_reached_over_loopback_by_every_rank():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER", "LOCAL"))}
+    port = _free_port()
     ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(JOIN_AND_SUM)],
-                              env={**clean, **rank_env(r, 2, port, agent_store=False), "MASTER_ADDR": "nohost.invalid"},
+                              env={**_clean_env(), **rank_env(r, 2, port, agent_store=False),
+                                   "MASTER_ADDR": "nohost.invalid"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
         outputs = [p.communicate(timeout=50) for p in ranks]

@@ -127,7 +127,7 @@ def test_salloc_without_srun_is_told_to_use_srun_at_once(slurm):
 def test_a_task_that_refuses_its_variables_ends_the_wait_of_the_others_at_once(slurm):
     # RANK exported before srun: task 1 refuses it, task 0 agrees and would wait the whole timeout,
     # since srun without --kill-on-bad-exit lets it run on
-    env = python_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(slurm_free_port()))
+    env = python_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     start = time.monotonic()
     result = slurm.run("srun", "--overcommit", "-n2", sys.executable, COLLECTIVE, "1", "60", "0", env=env,
                        timeout=120, cwd=REPO)
@@ -139,7 +139,7 @@ def test_a_task_that_refuses_its_variables_ends_the_wait_of_the_others_at_once(s
     assert time.monotonic() - start < 40  # not the 60 s rendezvous timeout
 
 
-def slurm_free_port() -> int:
+def _free_port() -> int:
     import socket
 
     with socket.socket() as probe:
