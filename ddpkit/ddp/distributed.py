@@ -8,9 +8,8 @@ and the overlapped all-reduce live in ``ddpkit.ddp.reducer`` on plain ``torch.di
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
@@ -272,16 +271,6 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         return output
 
     # ---- options -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside the block averages the sum."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
     @logs_errors
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future[Tensor]`` average each bucket (see ``ddpkit.hooks``)."""

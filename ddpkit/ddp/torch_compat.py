@@ -7,9 +7,10 @@ are here, who calls them, and why each is in or out: docs/torch-compat.md.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +33,18 @@ class TorchCompat:
 
     logger: DDPLogger
     """torch's ``dist.Logger``: what ``_get_ddp_logging_data()`` reads (ddpkit.ddp.ddp_logger)."""
+
+    require_backward_grad_sync: bool
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside the block averages the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
 
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
                                  lambda self, value: setattr(self, "forward_sync_buffers", value),

@@ -105,13 +105,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument("--nnodes", default=pet("nnodes", "1"), metavar="N",
                    help="number of nodes (an integer; torchrun's elastic 'MIN:MAX' is not supported).")
     p.add_argument(*_spellings("node-rank"), dest="node_rank", type=int, metavar="R",
-                   default=pet("node_rank", None),
-                   help="this node's rank in [0, nnodes). Default 0; under srun with one task per node, "
-                   "the task's rank (SLURM_PROCID).")
-    p.add_argument(*_spellings("master-addr"), dest="master_addr", metavar="ADDR",
-                   default=pet("master_addr", None),
-                   help="address of node 0, reachable from every node. Default 127.0.0.1; under srun with "
-                   "one task per node, the step's first host.")
+                   default=pet("node_rank", None), help="this node's rank in [0, nnodes). Default 0 "
+                   "(under srun with one task per node, SLURM_PROCID).")
+    p.add_argument(*_spellings("master-addr"), dest="master_addr", metavar="ADDR", default=pet("master_addr", None),
+                   help="address of node 0, reachable from every node. Default 127.0.0.1 (under srun with "
+                   "one task per node, the step's first host).")
     p.add_argument(*_spellings("master-port"), dest="master_port", type=int, metavar="PORT",
                    default=pet("master_port", None),
                    help=f"rendezvous port on node 0 (several nodes: default {DEFAULT_MASTER_PORT}); "
@@ -215,10 +213,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             "--nnodes N --node-rank R --master-addr HOST0 --master-port P."))
     assign = args.rdzv_backend == "c10d" and nnodes > 1
     srun_task = srun_task_per_node(environ, nnodes) if nnodes > 1 and not assign else None
-    if args.node_rank is None:
-        args.node_rank = srun_task.rank if srun_task else 0
-    if args.master_addr is None:
-        args.master_addr = srun_task.master_addr if srun_task else "127.0.0.1"
+    args.node_rank = (srun_task.rank if srun_task else 0) if args.node_rank is None else args.node_rank
+    args.master_addr = args.master_addr or (srun_task.master_addr if srun_task else "127.0.0.1")
     if assign:
         args.node_rank = 0  # ignored, as torchrun ignores it with c10d: the rendezvous numbers the nodes
     if args.standalone and nnodes != 1:
