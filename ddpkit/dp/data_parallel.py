@@ -19,7 +19,7 @@ from torch import nn
 from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available, device_id
 from ddpkit.dp.parallel_apply import parallel_apply_on
 from ddpkit.dp.replicate import replicate_to
-from ddpkit.dp.scatter_gather import gather_target, gather_to, scatter_kwargs_to
+from ddpkit.dp.scatter_gather import check_dim_type, gather_target, gather_to, scatter_kwargs_to
 from ddpkit.errors import EmptyListError
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -107,8 +107,10 @@ def _check_placement(module: nn.Module, device: torch.device) -> None:
         if t.device != device:
             raise RuntimeError(
                 f"module must have its parameters and buffers on device {device} (device_ids[0]) "
-                f"but found {kind} '{name}' on device {t.device}. HINT: call module.to('{device}') "
-                f"first, or put {t.device} first in device_ids."
+                f"but found {kind} '{name}' on device {t.device}. HINT: "
+                + (f"call module.to('{device}') first, or put {t.device} first in device_ids."
+                   if t.device.type != "meta" else f"materialize it first, e.g. module.to_empty(device='{device}'), "
+                   "and then load its weights.")
             )
 
 
@@ -150,6 +152,7 @@ class DataParallel(nn.DataParallel[M]):
         dim: int = 0,
     ) -> None:
         nn.Module.__init__(self)
+        check_dim_type(dim)
         self.module = module
         self.dim = dim
         devices = _resolve_device_ids(device_ids)

@@ -42,6 +42,7 @@ class _ThreadState:
     grad_enabled: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype, bool], ...]  # (device_type, dtype, cache_enabled) when enabled
+    threads: int  # intra-op threads: a new thread's first CPU op uses the default count, not the caller's
 
     @classmethod
     def capture(cls) -> _ThreadState:
@@ -50,9 +51,12 @@ class _ThreadState:
             for kind in _AUTOCAST_TYPES
             if torch.is_autocast_enabled(kind)
         )
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.get_num_threads())
 
     def enter(self, stack: contextlib.ExitStack) -> None:
+        # after torch.set_num_threads(k) in the caller, a replica's matmul split over another number of
+        # threads sums in another order: no longer bit for bit the module on its chunk
+        torch.set_num_threads(self.threads)
         if self.inference:
             stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))

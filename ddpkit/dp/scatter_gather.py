@@ -21,7 +21,16 @@ from ddpkit.dp.nested import UnevenSplit, join, split, tensors
 from ddpkit.dp.torch_names import torch_keywords
 from ddpkit.errors import BatchDimError, EmptyListError, explain
 
-__all__ = ["scatter", "scatter_kwargs", "gather"]
+__all__ = ["scatter", "scatter_kwargs", "gather", "check_dim_type"]
+
+
+def check_dim_type(dim: object) -> None:
+    """``dim`` must be an int, as torch.chunk and torch.cat take it: said at once, naming it."""
+    if not isinstance(dim, int):
+        raise TypeError(explain(
+            f"argument 'dim' must be int, not {type(dim).__name__}: dim={dim!r} is the batch dimension that "
+            "inputs are split and outputs joined along.", "pass an int, e.g. dim=0 (or dim=1 for a "
+            "time-major batch)."))
 
 
 def _check_dim(t: torch.Tensor, dim: int, action: str, replica: int | None = None,
@@ -44,7 +53,8 @@ def _check_dim(t: torch.Tensor, dim: int, action: str, replica: int | None = Non
         raise BatchDimError(explain(
             f"Dimension out of range (expected to be in range of [{-t.dim()}, {t.dim() - 1}], but got "
             f"{dim}): cannot {action} along dim={dim} a tensor of shape {shape}{whose}.",
-            "pass dim= the batch dimension of every tensor input."), action=action, dim=dim, shape=shape)
+            f"pass dim= the batch dimension of every tensor {'input' if replica is None else 'output'}."),
+            action=action, dim=dim, shape=shape)
 
 
 def _scatter_tensor(t: torch.Tensor, devices: list[torch.device], dim: int) -> list[torch.Tensor]:
@@ -83,6 +93,7 @@ def _split_over(obj: Any, devices: list[torch.device], dim: int) -> list[Any]:
     zip does; tensors that split differently would leave some replica without its share of the
     batch (torch then drops rows silently), so that is an error here.
     """
+    check_dim_type(dim)
     try:
         return split(functools.partial(_scatter_tensor, devices=devices, dim=dim), obj, len(devices))
     except UnevenSplit as e:
@@ -144,10 +155,10 @@ def scatter_kwargs_to(
     """scatter_kwargs over devices already parsed and checked (DataParallel checks them once, at
     construction, not at every forward)."""
     if inputs and kwargs:
-        pairs = _split_over((tuple(inputs), kwargs), devices, dim)
+        pairs = _split_over((inputs, kwargs), devices, dim)  # a list's pieces stay lists, as in torch
         scattered_inputs, scattered_kwargs = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
-        scattered_inputs = _split_over(tuple(inputs), devices, dim) if inputs else []
+        scattered_inputs = _split_over(inputs, devices, dim) if inputs else []
         scattered_kwargs = _split_over(kwargs, devices, dim) if kwargs else []
     if len(scattered_inputs) < len(scattered_kwargs):
         scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
@@ -168,7 +179,14 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
     for replica, t in enumerate(outputs):
         _check_dim(t, dim, "gather", replica, shapes)
     # .to and cat are both differentiable, so backward splits the gradient back to every replica
-    return torch.cat([t.to(target) for t in outputs], dim)
+    try:
+        return torch.cat([t.to(target) for t in outputs], dim)
+    except RuntimeError as e:  # torch's words, then whose outputs
+        raise RuntimeError(explain(
+            f"{str(e).rstrip('.')}: cannot gather along dim={dim} the replicas' outputs of shapes "
+            f"{', '.join(map(str, shapes))} (replica i's at position i).",
+            f"every replica's output must have the same size in every dimension but dim={dim}: check that "
+            "forward returns the same shape for every chunk.")) from e
 
 
 def _same_everywhere(outputs: Sequence[Any]) -> bool:
@@ -224,4 +242,5 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
 
 def gather_to(outputs: Sequence[Any], target: torch.device, dim: int) -> Any:
     """gather onto a device already parsed and checked."""
+    check_dim_type(dim)
     return join(functools.partial(_gather_leaves, target=target, dim=dim), outputs, what="replica outputs")

@@ -256,6 +256,35 @@ def test_on_cpu_devices_the_output_is_bit_for_bit_the_module_on_torch_chunks_pie
     assert differing == []
 
 
+def test_after_set_num_threads_the_output_is_still_bit_for_bit_the_module_on_the_chunks():
+    # a replica thread's first matmul used the default thread count, not the caller's: an ulp off
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model, x = nn.Linear(33, 17), torch.randn(37, 33)
+        want = torch.cat([model(chunk) for chunk in x.chunk(4)])
+        assert torch.equal(DataParallel(model, device_ids=["cpu"] * 4)(x), want)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("make", [lambda: DataParallel(nn.Linear(3, 2), ["cpu"] * 2, dim="0"),
+                                  lambda: data_parallel(nn.Linear(3, 2), torch.ones(4, 3), ["cpu"] * 2, dim=0.0)],
+                         ids=["DataParallel", "data_parallel"])
+def test_a_dim_that_is_not_an_int_is_named_at_once(make):
+    with pytest.raises(TypeError, match=r"^argument 'dim' must be int, not (str|float): dim=('0'|0\.0) is the "
+                                        r"batch dimension .* HINT: pass an int"):
+        make()
+
+
+def test_a_meta_parameter_gets_a_hint_that_can_work():
+    with pytest.raises(RuntimeError, match=r"found parameter 'weight' on device meta\. HINT: materialize it "
+                                           r"first, e\.g\. module\.to_empty\(device='cpu'\)"):
+        DataParallel(nn.Linear(3, 2).to("meta"), ["cpu"] * 2)(torch.ones(4, 3))
+
+
 def test_a_replica_may_change_its_own_input_chunk_in_place():
     class Doubles(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

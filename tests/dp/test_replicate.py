@@ -154,3 +154,9 @@ def test_replicate_matches_torch_replicate_on_one_gpu():
     net = _net("cuda:0").eval()
     x = torch.randn(4, 5, dtype=torch.float64, device="cuda:0")
     torch.testing.assert_close(replicate(net, [0])[0](x), torch_replicate(net, [0])[0](x))
+
+
+def test_a_module_on_the_meta_device_is_named_with_its_parameter():
+    with pytest.raises(NotImplementedError, match=r"^Cannot copy out of meta tensor; no data!: cannot replicate a "
+                                                  r"module whose 'weight' is on the meta device\. HINT: materialize"):
+        replicate(nn.Linear(3, 2).to("meta"), ["cpu"] * 2)

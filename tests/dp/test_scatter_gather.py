@@ -267,3 +267,27 @@ def test_scatter_matches_torch_scatter_on_one_gpu():
     x = torch.randn(10, 3)
     for ours, theirs in zip(scatter(x, [0]), torch_scatter(x, [0])):
         torch.testing.assert_close(ours, theirs)
+
+
+def test_a_list_of_inputs_is_scattered_into_lists_as_torch_does():
+    x = torch.arange(8.0).view(4, 2)
+    inputs, kwargs = scatter_kwargs([x, "tag"], None, ["cpu"] * 2)
+    assert [type(piece) for piece in inputs] == [list, list] and kwargs == ({}, {})
+    assert torch.equal(inputs[1][0], x[2:]) and inputs[1][1] == "tag"
+    inputs, kwargs = scatter_kwargs((x,), {"y": x}, ["cpu"] * 2)
+    assert [type(piece) for piece in inputs] == [tuple, tuple] and torch.equal(kwargs[1]["y"], x[2:])
+
+
+def test_outputs_of_different_sizes_name_every_replicas_shape():
+    with pytest.raises(RuntimeError, match=r"^Sizes of tensors must match except in dimension 0\. .*: cannot "
+                                           r"gather along dim=0 the replicas' outputs of shapes \(6, 3\), \(2, 4\)"):
+        gather([torch.ones(6, 3), torch.ones(2, 4)], "cpu")
+
+
+def test_a_gather_dim_out_of_range_hints_at_the_outputs_and_a_dim_not_an_int_is_named():
+    with pytest.raises(IndexError, match=r"HINT: pass dim= the batch dimension of every tensor output\.$"):
+        gather([torch.ones(6, 3)] * 2, "cpu", dim=2)
+    with pytest.raises(TypeError, match=r"^argument 'dim' must be int, not str"):
+        gather([torch.ones(6, 3)] * 2, "cpu", dim="1")
+    with pytest.raises(TypeError, match=r"^argument 'dim' must be int, not str"):
+        scatter(torch.ones(6, 3), ["cpu"] * 2, dim="1")
