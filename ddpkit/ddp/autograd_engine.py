@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, Iterator, Sequence
 
 import torch
 
+from ddpkit.ddp.compile_support import dynamo_free
 from ddpkit.errors import explain
 
 __all__ = ["gradient_accumulator", "outside_backward_python_context", "preserving_autograd_versions",
@@ -54,6 +55,7 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     Compiled autograd traces the backward instead of running it, and refuses the callback with an
     AssertionError about ``fullgraph``; torch's C++ reducer is refused there too, by name.
     """
+    callback = dynamo_free(callback)  # a backward() inside a compiled frame: see compile_support
     compiled = sys.modules.get("torch._dynamo.compiled_autograd")
     if compiled is not None and compiled.in_compiled_autograd_region:
         raise RuntimeError(explain(

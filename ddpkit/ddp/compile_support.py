@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-__all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "DYNAMO_CALLBACK", "inside_ddp_forward"]
+__all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "DYNAMO_CALLBACK", "inside_ddp_forward",
+           "never_compiled", "outside_dynamo", "dynamo_free"]
 
 ACTIVE_SLOT = "_active_ddp_module"
 """torch's DDP class attribute that Dynamo reads (via ``_get_active_ddp_module``) for DDPOptimizer."""
@@ -86,3 +87,46 @@ def inside_ddp_forward(ddp: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         setattr(TorchDDP, ACTIVE_SLOT, previous)
+
+
+# The reducer's autograd callbacks (gradient hooks, the end-of-backward callback) are Python. When a
+# compiled function calls backward() (``torch.compile`` around a whole training step, its backward a
+# graph break), they run while Dynamo's frame callback is installed, and Dynamo would compile them:
+# a collective traced there fails ("Attempted to access unregistered member on an OpaqueObject"),
+# where torch's are C++. So their own frames are marked for Dynamo to run as they are, and they turn
+# the callback off for what they call. Only from torch 2.13, as DYNAMO_CALLBACK.
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_RUN_AS_IS = (_eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.DEFAULT)
+              if DYNAMO_CALLBACK is not None and hasattr(_eval_frame, "set_code_exec_strategy") else None)
+
+
+def never_compiled(fn: _F) -> _F:
+    """Dynamo runs ``fn``'s own frames as they are, without compiling them (what ``fn`` calls it still
+    considers: ``fn`` calls ``outside_dynamo`` for that)."""
+    if _RUN_AS_IS is not None:
+        _eval_frame.set_code_exec_strategy(fn.__code__, _RUN_AS_IS)
+    return fn
+
+
+@never_compiled
+def outside_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with Dynamo's frame callback off, as ``torch._disable_dynamo`` runs a function."""
+    prior = _eval_frame.set_eval_frame(None)
+    try:
+        return fn(*args)
+    finally:
+        _eval_frame.set_eval_frame(prior)
+
+
+def dynamo_free(fn: _F) -> _F:
+    """``fn`` as an autograd callback that Dynamo never compiles; where no compile runs, one C call
+    more. For a per-parameter hook, the check inlined in the hook itself saves the extra frame."""
+    if _RUN_AS_IS is None:
+        return fn
+
+    def run(*args: Any) -> Any:
+        if DYNAMO_CALLBACK() is None:
+            return fn(*args)
+        return outside_dynamo(fn, *args)
+    return never_compiled(run)  # type: ignore[return-value]
+

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.ddp.autograd_engine import outside_backward_python_context, queue_end_of_backward_callback
+from ddpkit.ddp.compile_support import dynamo_free
 from ddpkit.ddp.state_sync import broadcast_coalesced
 from ddpkit.errors import LateGradientError, explain
 
@@ -55,9 +56,10 @@ class DelayedAllReduce:
         self.armed = False  # a synced forward ran: its backward averages
         self._work: Any = None
         # after its gradient is accumulated (torch: before), so that it may be a delayed one itself
-        self._handles = [hook_param.register_post_accumulate_grad_hook(self._launch)]
-        self._handles += [p.register_post_accumulate_grad_hook(functools.partial(self._check_in_time, name))
-                          for name, p in named if p is not hook_param]
+        self._handles = [hook_param.register_post_accumulate_grad_hook(dynamo_free(self._launch))]
+        self._handles += [
+            p.register_post_accumulate_grad_hook(dynamo_free(functools.partial(self._check_in_time, name)))
+            for name, p in named if p is not hook_param]
 
     def after_forward(self, synced: bool) -> None:
         """Point missing gradients at the buffer (zeroed), as torch's ``_clear_grad_buffer``;

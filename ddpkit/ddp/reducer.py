@@ -28,6 +28,8 @@ from ddpkit.ddp.autograd_engine import (
 from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import ONE_BLOCK_DEVICES, BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
+from ddpkit.ddp.compile_support import DYNAMO_CALLBACK as _DYNAMO_CALLBACK
+from ddpkit.ddp.compile_support import never_compiled, outside_dynamo
 from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
 from ddpkit.ddp.create_graph import join_graphs, set_aside
 from ddpkit.ddp.ddp_logger import DDPLogger
@@ -110,6 +112,8 @@ class Reducer(ReducerConfig, ReducerForward):
     def _on_grad_ready(self, index: int, *_: Any) -> None:
         """Gradient-accumulator post-hook: count the gradient in, launch the buckets it completes.
         Runs once per parameter per step, so it stays flat: locals, no call per parameter."""
+        if _DYNAMO_CALLBACK is not None and _DYNAMO_CALLBACK() is not None:  # backward() in a compiled frame
+            return outside_dynamo(self._on_grad_ready, index)
         it = self._iteration
         phase = it.phase
         if phase is not _REDUCING:
@@ -290,3 +294,6 @@ class Reducer(ReducerConfig, ReducerForward):
         self.layout.release()
         self._iteration = Iteration(self.layout, self.usage, self.iterations, 1.0 / self.world_size,
                                     it.phase.on_new_buckets() if phase is None else phase, previous=it)
+
+
+never_compiled(Reducer._on_grad_ready)  # see ddpkit.ddp.compile_support

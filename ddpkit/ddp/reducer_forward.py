@@ -14,6 +14,7 @@ import torch
 
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import queue_end_of_backward_callback
+from ddpkit.ddp.compile_support import dynamo_free
 from ddpkit.ddp.iteration import Phase
 from ddpkit.ddp.outputs import unreached_parameters
 
@@ -97,7 +98,7 @@ class ReducerForward:
                     raise self.logger.logged(errors.stale_output_error(self.rank, forward, self.forwards))
             elif self._iteration.reach_output():
                 queue_end_of_backward_callback(self.finalize_backward)
-        return check
+        return dynamo_free(check)
 
     def prepare_for_local_backward(self) -> None:
         """A forward without gradient sync (no_sync, or grad disabled): hooks stay quiet."""

@@ -20,6 +20,8 @@ import torch
 
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
+from ddpkit.ddp.compile_support import DYNAMO_CALLBACK as _DYNAMO_CALLBACK
+from ddpkit.ddp.compile_support import dynamo_free, never_compiled, outside_dynamo
 from ddpkit.ddp.outputs import backward_entries
 from ddpkit.ddp.parameter_watch import ParameterWatch
 from ddpkit.ddp.python_reducer import python_reducer_requested
@@ -66,7 +68,7 @@ class SoloChecks:
             return
         self._phase = _ARMED
         for t in backward_entries(output):
-            t.register_hook(self._on_output_grad)
+            t.register_hook(dynamo_free(self._on_output_grad))
 
     def disable(self) -> None:
         """The checks end: the graph was declared static, or a reducer now runs (a comm hook)."""
@@ -79,6 +81,8 @@ class SoloChecks:
             queue_end_of_backward_callback(self._finish)
 
     def _on_grad(self, index: int, *_: Any) -> None:
+        if _DYNAMO_CALLBACK is not None and _DYNAMO_CALLBACK() is not None:  # backward() in a compiled frame
+            return outside_dynamo(self._on_grad, index)
         phase = self._phase
         if phase != _RUNNING:
             # a later backward of this iteration (GPipe's microbatches through a pipeline stage,
@@ -110,6 +114,9 @@ class SoloChecks:
     def _reset(self) -> None:
         self._ready = [False] * len(self.names)
         self._phase = _IDLE
+
+
+never_compiled(SoloChecks._on_grad)  # see ddpkit.ddp.compile_support
 
 
 def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -> SoloChecks | None:

@@ -335,3 +335,34 @@ def test_a_subclass_that_overrides_the_bookkeeping_is_called_as_it_is():
 
     calls = _bookkeeping_calls(nn.Linear(2, 2), Counting)
     assert Counting.seen == 2 and calls == ["|"]  # its super() call goes through the wrapper
+
+
+def _compiled_step_worker(kind: str, options: dict) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    ddp = _wrap(kind, nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), bucket_cap_mb=MB,
+                **options)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def step(x: torch.Tensor) -> torch.Tensor:  # the whole step compiled: backward() is a graph break
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    for i in range(STEPS):
+        step(torch.full((4, 8), float(dist.get_rank() + i)))
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True}], ids=["default", "find_unused"])
+def test_a_compiled_function_that_calls_backward_trains_as_with_torchs_ddp(options):
+    """The reducer's Python hooks run while Dynamo's frame callback is installed; compiled, a
+    collective in them failed ("Attempted to access unregistered member on an OpaqueObject")."""
+    want = run_ranks(_compiled_step_worker, 2, args=("torch", options))
+    got = run_ranks(_compiled_step_worker, 2, args=("ddpkit", options))
+    for mine, theirs in zip(got, want):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
