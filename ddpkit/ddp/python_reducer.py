@@ -37,6 +37,16 @@ def python_reducer_for(ddp: Any, params: Sequence[torch.Tensor]) -> PythonReduce
     return PythonReducer(ddp, params, ddp.process_group) if python_reducer_requested() else None
 
 
+def _fuse_in_inductor(cap_bytes: int) -> None:
+    """What torch's DDP sets in this mode: inductor fuses the per-parameter all-reduces of a compiled
+    backward into buckets of ``bucket_cap_mb`` (without it, one all-reduce per parameter)."""
+    import torch._inductor.config as inductor
+
+    mb = cap_bytes / 2**20
+    inductor._fuse_ddp_communication = True
+    inductor._fuse_ddp_bucket_size = int(mb) if mb == int(mb) else mb
+
+
 class PythonReducer:
     """One gradient hook per parameter: average ``param.grad`` over ``group`` as soon as it is ready."""
 
@@ -49,6 +59,7 @@ class PythonReducer:
         self.comm_hooks: list[tuple[Callable, Any]] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                         for p in params if p.requires_grad]
+        _fuse_in_inductor(ddp.bucket_bytes_cap)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         ddp = self._ddp()

@@ -265,8 +265,10 @@ def _python_reducer_copy_worker() -> list[torch.Tensor]:
     import copy
 
     torch._dynamo.config.optimize_ddp = "python_reducer"
-    ddp = copy.deepcopy(ddpkit.DDP(nn.Linear(3, 2)))
+    ddp = copy.deepcopy(ddpkit.DDP(nn.Linear(3, 2), bucket_cap_mb=10))
     assert ddp.reducer is None and ddp._python_reducer is not None
+    # torch's DDP has inductor fuse the per-parameter all-reduces into buckets of its cap
+    assert (torch._inductor.config._fuse_ddp_communication, torch._inductor.config._fuse_ddp_bucket_size) == (True, 10)
     ddp(torch.full((1, 3), float(dist.get_rank()))).sum().backward()
     return [p.grad for p in ddp.parameters()]
 
