@@ -35,7 +35,7 @@ from ddpkit.ddp.join import JoinSupport
 from ddpkit.ddp.outputs import backward_entries, find_tensors, to_device
 from ddpkit.ddp.parameter_watch import ParameterWatch
 from ddpkit.ddp.pickling import PicklingSupport
-from ddpkit.ddp.profiling import profiled
+from ddpkit.ddp.profiling import forward_range
 from ddpkit.ddp.python_reducer import PythonReducer, python_reducer_for
 from ddpkit.ddp.reducer import Reducer
 from ddpkit.ddp.solo_checks import SoloChecks, solo_checks_for
@@ -206,7 +206,7 @@ class DistributedDataParallel(PicklingSupport, JoinSupport, StateSyncSupport, To
         direct = DYNAMO_CALLBACK is not None and DYNAMO_CALLBACK() is None
         pre = getattr(self._pre_forward, "plain", None) if direct else None  # a subclass's override: as it is
         post = getattr(self._post_forward, "plain", None) if direct else None
-        with profiled("DistributedDataParallel.forward"):  # torch's name for it in a trace
+        with forward_range():  # torch's name for it in a trace
             inputs, kwargs = pre(self, *inputs, **kwargs) if pre else self._pre_forward(*inputs, **kwargs)
             with inside_ddp_forward(self):  # Dynamo's DDPOptimizer splits the graph at our buckets
                 if self.mixed_precision is None:

@@ -8,10 +8,12 @@ names the same forward, and per bucket and step (never per parameter) what its P
     ddpkit.finalize_backward.wait              end of backward: waiting for every bucket's collective
     ddpkit.bucket[<index>].write_back          the averages back into the gradients
 
-Entering ``record_function`` costs about 6 us even with no profiler running, so a range is entered
-only while one runs: ``torch.autograd.profiler._is_profiler_enabled`` is the Python flag torch's
-profilers set on start and clear on stop, which torch's own compiler code reads for the same purpose
-(a profiler started from C++ alone does not set it: those ranges are then missing).
+Entering ``record_function`` costs about 6 us even with no profiler running, so the bucket ranges
+are entered only while one runs (the forward's, once a step, always, as torch's DDP enters it: an
+execution-trace observer records it with no profiler running). The check is
+``torch.autograd.profiler._is_profiler_enabled``, the Python flag torch's profilers set on start and
+clear on stop, which torch's own compiler code reads for the same purpose (a profiler started from
+C++ alone does not set it: those ranges are then missing).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch.autograd.profiler as _autograd_profiler
 
 from ddpkit.ddp.bucket import Bucket
 
-__all__ = ["profiling", "profiled", "bucket_range"]
+__all__ = ["profiling", "profiled", "bucket_range", "forward_range"]
 
 _OFF: ContextManager[Any] = contextlib.nullcontext()  # reusable: it keeps no state
 
@@ -38,6 +40,12 @@ def profiling() -> bool:
 def profiled(name: str) -> ContextManager[Any]:
     """``record_function(name)`` while a profiler records, else a context that does nothing."""
     return _autograd_profiler.record_function(name) if profiling() else _OFF
+
+
+def forward_range() -> ContextManager[Any]:
+    """torch's range around DDP's forward, entered on every forward as torch's DDP does, so that
+    ``torch.profiler.ExecutionTraceObserver`` alone (no profiler running) records it too."""
+    return _autograd_profiler.record_function("DistributedDataParallel.forward")
 
 
 def bucket_range(bucket: Bucket, step: str) -> ContextManager[Any]:

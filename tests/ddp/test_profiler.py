@@ -82,3 +82,22 @@ def test_ranges_cost_nothing_but_a_flag_read_when_no_profiler_runs(monkeypatch):
         with profiling.bucket_range(bucket, "fill"):
             pass
     assert [e.name for e in prof.events()] == ["ddpkit.bucket[3].fill (20 B)"]
+
+
+def _execution_trace_worker(path: str) -> list[str]:
+    from torch.profiler import ExecutionTraceObserver
+
+    model = ddpkit.DDP(_model())
+    _step(model)
+    observer = ExecutionTraceObserver().register_callback(f"{path}.{torch.distributed.get_rank()}.json")
+    observer.start()  # no profiler: torch's Python flag stays off
+    _step(model)
+    observer.stop()
+    observer.unregister_callback()
+    with open(f"{path}.{torch.distributed.get_rank()}.json") as f:
+        return [node["name"] for node in json.load(f)["nodes"]]
+
+
+def test_an_execution_trace_without_a_profiler_records_the_forward_as_torchs_ddp_names_it(tmp_path):
+    for names in run_ranks(_execution_trace_worker, 2, args=(str(tmp_path / "et"),)):
+        assert "DistributedDataParallel.forward" in names
