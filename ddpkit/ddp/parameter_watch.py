@@ -3,10 +3,12 @@
 DDP averages the parameters its module held when it was wrapped, as torch's does. A head replaced
 after wrapping (``ddp.module.fc = nn.Linear(...)``), or a layer unfrozen, then trains on each rank
 alone: torch says nothing, and the ranks drift apart. ``ParameterWatch`` compares the module with
-that list on the first ten synced forwards and every 100th after (torch's sampled iterations, so
-the steps between pay nothing) and warns once; and when a backward leaves parameters without a
-gradient, it says which of them were replaced, removed or frozen since, so that the error does not
-send the user to ``find_unused_parameters=True``, which would hide the change rather than fix it.
+that list at the end of the first ten synced backwards and every 100th after (torch's sampled
+iterations, so the steps between pay nothing; after the backward, not in the forward, where
+``torch.func.functional_call`` swaps parameters for the call alone) and warns once; and when a
+backward leaves parameters without a gradient, it says which of them were replaced, removed or
+frozen since, so that the error does not send the user to ``find_unused_parameters=True``, which
+would hide the change rather than fix it.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class ParameterWatch:
         return found
 
     def warn_if_changed(self, rank: int) -> None:
-        """Warn once, at the user's forward call, if parameters were replaced or added since wrapping."""
+        """Warn once, at the user's backward call, if parameters were replaced or added since wrapping."""
         if self._warned:
             return
         drifting = {name: what for name, what in self.changes().items() if what in _DRIFTING}

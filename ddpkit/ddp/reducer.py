@@ -92,7 +92,7 @@ class Reducer(ReducerConfig, ReducerForward):
         self.forward_seen = False  # a forward of any kind went through the DDP (or its warning was said)
         self._join_work: Any = None  # Join's count of the ranks still active, read at the first launch
         self.logger = logger if logger is not None else DDPLogger()  # sampled timings, the last error
-        self.watch = watch  # the DDP's module against these parameters, at the sampled forwards
+        self.watch = watch  # the DDP's module against these parameters, after the sampled backwards
         self._iteration = Iteration(self.layout, self.usage, 0, 1.0 / self.world_size)
         # on the gradient accumulators, as torch: after a user's own post-accumulate-grad hooks;
         # see Note [Accumulator hooks] in docs/design.md. Never removed, so their handles are not
@@ -245,6 +245,8 @@ class Reducer(ReducerConfig, ReducerForward):
                 outcome = Phase.FINALIZED
                 if timing:
                     self.logger.end_backward(self.params, it.used, buckets, self.skip_unused)
+                    if self.watch is not None:  # torch's sampled iterations: one walk over the module
+                        self.watch.warn_if_changed(self.rank)
             except Exception as e:
                 self.logger.logged(e)
                 raise

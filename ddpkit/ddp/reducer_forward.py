@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from ddpkit.ddp.collectives import Collectives
     from ddpkit.ddp.ddp_logger import DDPLogger
     from ddpkit.ddp.iteration import Iteration
-    from ddpkit.ddp.parameter_watch import ParameterWatch
     from ddpkit.ddp.usage import ParameterUsage
 
 __all__ = ["ReducerForward"]
@@ -37,7 +36,6 @@ class ReducerForward:
     usage: ParameterUsage
     collectives: Collectives
     logger: DDPLogger
-    watch: ParameterWatch | None
     iterations: int
     forwards: int
     forward_seen: bool
@@ -62,8 +60,6 @@ class ReducerForward:
             self._end_iteration(it, Phase.IDLE, counted=False)
             raise self.logger.logged(errors.unfinished_backward_error(self.rank))
         it.rearm()  # a backward that reached no parameter, or failed first: its queued wait never runs
-        if self.logger.timing and self.watch is not None:  # torch's sampled iterations: one walk
-            self.watch.warn_if_changed(self.rank)
 
     def prepare_for_backward(self, unused: Sequence[int] | Sequence[torch.Tensor] = ()) -> None:
         """Arm the hooks after a synced forward; ``unused``: indices the output cannot reach. Several
