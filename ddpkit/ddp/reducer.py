@@ -109,6 +109,7 @@ class Reducer(ReducerConfig, ReducerForward):
         return self.layout.buckets
 
     # ---- the hot path --------------------------------------------------------------------------
+    @never_compiled  # see ddpkit.ddp.compile_support
     def _on_grad_ready(self, index: int, *_: Any) -> None:
         """Gradient-accumulator post-hook: count the gradient in, launch the buckets it completes.
         Runs once per parameter per step, so it stays flat: locals, no call per parameter."""
@@ -296,6 +297,3 @@ class Reducer(ReducerConfig, ReducerForward):
         self.layout.release()
         self._iteration = Iteration(self.layout, self.usage, self.iterations, 1.0 / self.world_size,
                                     it.phase.on_new_buckets() if phase is None else phase, previous=it)
-
-
-never_compiled(Reducer._on_grad_ready)  # see ddpkit.ddp.compile_support

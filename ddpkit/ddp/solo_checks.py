@@ -80,6 +80,7 @@ class SoloChecks:
             self._queued = True
             queue_end_of_backward_callback(self._finish)
 
+    @never_compiled  # see ddpkit.ddp.compile_support
     def _on_grad(self, index: int, *_: Any) -> None:
         if _DYNAMO_CALLBACK is not None and _DYNAMO_CALLBACK() is not None:  # backward() in a compiled frame
             return outside_dynamo(self._on_grad, index)
@@ -114,9 +115,6 @@ class SoloChecks:
     def _reset(self) -> None:
         self._ready = [False] * len(self.names)
         self._phase = _IDLE
-
-
-never_compiled(SoloChecks._on_grad)  # see ddpkit.ddp.compile_support
 
 
 def solo_checks_for(ddp: Any, named: Sequence[tuple[str, torch.nn.Parameter]]) -> SoloChecks | None:
