@@ -35,7 +35,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 __all__ = ["ACTIVE_SLOT", "ADAPTED", "eager", "bookkeeping", "DYNAMO_CALLBACK", "inside_ddp_forward",
-           "never_compiled", "outside_dynamo", "dynamo_free"]
+           "never_compiled", "outside_dynamo", "dynamo_free", "HOOK_CALLBACK"]
 
 ACTIVE_SLOT = "_active_ddp_module"
 """torch's DDP class attribute that Dynamo reads (via ``_get_active_ddp_module``) for DDPOptimizer."""
@@ -98,6 +98,10 @@ def inside_ddp_forward(ddp: torch.nn.Module) -> Iterator[None]:
 _eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _RUN_AS_IS = (_eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.DEFAULT)
               if DYNAMO_CALLBACK is not None and hasattr(_eval_frame, "set_code_exec_strategy") else None)
+HOOK_CALLBACK: Callable[[], Any] | None = DYNAMO_CALLBACK if _RUN_AS_IS is not None else None
+"""What a per-parameter hook reads to see a compile around its backward, inlined in the hook (one C
+call, no frame: ``if HOOK_CALLBACK is not None and HOOK_CALLBACK() is not None: return
+outside_dynamo(...)``); None where its frames cannot be marked, as ``dynamo_free`` then does nothing."""
 
 
 def never_compiled(fn: _F) -> _F:
@@ -121,11 +125,11 @@ def outside_dynamo(fn: Callable[..., Any], *args: Any) -> Any:
 def dynamo_free(fn: _F) -> _F:
     """``fn`` as an autograd callback that Dynamo never compiles; where no compile runs, one C call
     more. For a per-parameter hook, the check inlined in the hook itself saves the extra frame."""
-    if _RUN_AS_IS is None:
+    if HOOK_CALLBACK is None:
         return fn
 
     def run(*args: Any) -> Any:
-        if DYNAMO_CALLBACK() is None:
+        if HOOK_CALLBACK() is None:
             return fn(*args)
         return outside_dynamo(fn, *args)
     return never_compiled(run)  # type: ignore[return-value]

@@ -28,7 +28,7 @@ from ddpkit.ddp.autograd_engine import (
 from ddpkit.ddp.bucket import Bucket, copy_in, is_big, move_in
 from ddpkit.ddp.bucket_layout import ONE_BLOCK_DEVICES, BucketLayout
 from ddpkit.ddp.collectives import SPLIT_BUCKET_BYTES, Collectives
-from ddpkit.ddp.compile_support import DYNAMO_CALLBACK as _DYNAMO_CALLBACK
+from ddpkit.ddp.compile_support import HOOK_CALLBACK as _HOOK_CALLBACK
 from ddpkit.ddp.compile_support import never_compiled, outside_dynamo
 from ddpkit.ddp.cpu_share import in_place_pays, own_cpu_cap
 from ddpkit.ddp.create_graph import join_graphs, set_aside
@@ -113,7 +113,7 @@ class Reducer(ReducerConfig, ReducerForward):
     def _on_grad_ready(self, index: int, *_: Any) -> None:
         """Gradient-accumulator post-hook: count the gradient in, launch the buckets it completes.
         Runs once per parameter per step, so it stays flat: locals, no call per parameter."""
-        if _DYNAMO_CALLBACK is not None and _DYNAMO_CALLBACK() is not None:  # backward() in a compiled frame
+        if _HOOK_CALLBACK is not None and _HOOK_CALLBACK() is not None:  # backward() in a compiled frame
             return outside_dynamo(self._on_grad_ready, index)
         it = self._iteration
         phase = it.phase

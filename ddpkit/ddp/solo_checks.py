@@ -20,7 +20,7 @@ import torch
 
 from ddpkit.ddp import errors
 from ddpkit.ddp.autograd_engine import gradient_accumulator, queue_end_of_backward_callback
-from ddpkit.ddp.compile_support import DYNAMO_CALLBACK as _DYNAMO_CALLBACK
+from ddpkit.ddp.compile_support import HOOK_CALLBACK as _HOOK_CALLBACK
 from ddpkit.ddp.compile_support import dynamo_free, never_compiled, outside_dynamo
 from ddpkit.ddp.outputs import backward_entries
 from ddpkit.ddp.parameter_watch import ParameterWatch
@@ -82,7 +82,7 @@ class SoloChecks:
 
     @never_compiled  # see ddpkit.ddp.compile_support
     def _on_grad(self, index: int, *_: Any) -> None:
-        if _DYNAMO_CALLBACK is not None and _DYNAMO_CALLBACK() is not None:  # backward() in a compiled frame
+        if _HOOK_CALLBACK is not None and _HOOK_CALLBACK() is not None:  # backward() in a compiled frame
             return outside_dynamo(self._on_grad, index)
         phase = self._phase
         if phase != _RUNNING:

@@ -88,12 +88,6 @@ def _check_replicatable(module: nn.Module) -> None:
             "cannot replicate a network where python modules are children of a ScriptModule. "
             "HINT: script the whole network, or none of it."
         )
-    meta = next((n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta), None)
-    if meta is not None:
-        raise NotImplementedError(
-            f"Cannot copy out of meta tensor; no data!: cannot replicate a module whose '{meta}' is on the meta "
-            "device. HINT: materialize it first, e.g. module.to_empty(device='cpu') and then load its weights."
-        )
 
 
 @torch_keywords(network="module")
@@ -114,6 +108,13 @@ def replicate(module: M, devices: Sequence[DeviceLike], detach: bool = False) ->
     targets = as_devices(devices)
     for i, device in enumerate(targets):
         check_available(device, f"devices[{i}]")
+    # here, not in replicate_to: DataParallel's placement check names a meta tensor before each forward
+    meta = next((n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta), None)
+    if meta is not None:
+        raise NotImplementedError(
+            f"Cannot copy out of meta tensor; no data!: cannot replicate a module whose '{meta}' is on the meta "
+            "device. HINT: materialize it first, e.g. module.to_empty(device='cpu') and then load its weights."
+        )
     return replicate_to(module, targets, detach)
 
 

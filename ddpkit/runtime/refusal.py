@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from ddpkit.runtime.environments.job import job_id
-from ddpkit.runtime.store_client import connect
+from ddpkit.runtime.store_client import connect, launcher_hosts_store
 
 __all__ = ["tell_the_job", "refusal_for", "KEY"]
 
@@ -34,7 +34,7 @@ refuses, so the refusal waits a few seconds for it; elsewhere one second, so tha
 def tell_the_job(environ: Mapping[str, str], error: Exception, seconds: float = 5.0) -> None:
     """Best effort: leave ``error`` in the store MASTER_ADDR:MASTER_PORT names, if one answers."""
     addr, port = environ.get("MASTER_ADDR", "").strip(), environ.get("MASTER_PORT", "").strip()
-    if not addr or not port.isdigit() or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if not addr or not port.isdigit() or launcher_hosts_store(environ):
         return
     if not any(name in environ for name in _SCHEDULER_RANKS):
         seconds = min(seconds, 1.0)

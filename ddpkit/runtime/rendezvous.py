@@ -25,7 +25,7 @@ from ddpkit.runtime.hangs.report import rank_list
 from ddpkit.runtime.job_check import PORT_FIX, JobRecord, check_member, claim, read_owner, tell_of_intruders
 from ddpkit.runtime.port_holder import describe_holder
 from ddpkit.runtime.refusal import refusal_for
-from ddpkit.runtime.store_client import connect, seconds_left
+from ddpkit.runtime.store_client import connect, launcher_hosts_store, seconds_left
 
 __all__ = ["rendezvous"]
 
@@ -53,7 +53,7 @@ def rendezvous(env: DistEnv, timeout: timedelta, environ: Mapping[str, str] | No
     environ = os.environ if environ is None else environ
     address = f"{env.master_addr}:{env.master_port}"
     deadline = time.monotonic() + timeout.total_seconds()
-    agent_hosts_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_hosts_store = launcher_hosts_store(environ)
     hosting = env.rank == 0 and not agent_hosts_store
     me = JobRecord.here(job_id(environ, env.launcher), env.world_size, f"rank {env.rank}")
     store = (_host(env, address, environ, deadline) if hosting

@@ -12,11 +12,16 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-__all__ = ["connect", "seconds_left"]
+__all__ = ["connect", "seconds_left", "launcher_hosts_store"]
+
+
+def launcher_hosts_store(environ: Mapping[str, str]) -> bool:
+    """torchrun and ``ddpkit run`` host the store their workers meet on; elsewhere rank 0 does."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def connect(host: str, port: int, world_size: int, deadline: float,

@@ -114,9 +114,7 @@ class Inquiry:
 
     def wait_read(self, n: int, readers: int, seconds: float) -> None:
         """Until ``readers`` ranks have read report ``n``, or ``seconds`` passed."""
-        deadline = time.monotonic() + seconds
-        while self.store.add(f"read/{n}", 0) < readers and time.monotonic() < deadline:
-            time.sleep(_POLL)  # the others fetch it on their next poll
+        self._wait_count(f"read/{n}", readers, seconds)  # the others fetch it on their next poll
 
     def mark_left(self, n: int) -> None:
         """This rank has said its last word after certain report ``n``, and leaves."""
@@ -124,8 +122,11 @@ class Inquiry:
 
     def wait_left(self, n: int, others: int, seconds: float) -> None:
         """Until ``others`` ranks have left after report ``n``, or ``seconds`` passed."""
+        self._wait_count(f"left/{n}", others, seconds)
+
+    def _wait_count(self, key: str, at_least: int, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while self.store.add(f"left/{n}", 0) < others and time.monotonic() < deadline:
+        while self.store.add(key, 0) < at_least and time.monotonic() < deadline:
             time.sleep(_POLL)
 
     def last_word(self, word: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
 from ddpkit.runtime.hangs.report import HANDLED, build_report
 from ddpkit.runtime.quick_exit import quick_exit
+from ddpkit.runtime.store_client import launcher_hosts_store
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot",
            "peer_gone_error"]
@@ -93,7 +94,7 @@ class Watchdog(threading.Thread):
         self.main_thread = threading.main_thread().ident
         # the rendezvous store lives in this process (rank 0, unless torchrun or ddpkit run hosts it):
         # after a certain verdict it leaves last, so that the others' last store calls find it
-        self.hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        self.hosts_store = rank == 0 and not launcher_hosts_store(os.environ)
         self._stop_event = threading.Event()
         self._wanted = threading.Event()   # a collective failed: inquire at once
         self._served = threading.Event()
