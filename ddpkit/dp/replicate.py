@@ -6,7 +6,8 @@ running statistics) are kept; the other replicas get their own copies of the buf
 
 Where a device is named more than once (``["cpu", "cpu", "cpu"]`` or ``["cuda:0"] * 4``), the replicas on
 the original's device see the parameters through aliasing views instead of copies: no memory is spent,
-autograd still routes each replica's gradient back, and autograd forbids in-place writes to them.
+autograd still routes each replica's gradient back, summed in device order as torch's Broadcast sums
+them (``_chained_views``), and autograd forbids in-place writes to them.
 """
 from __future__ import annotations
 
@@ -45,20 +46,35 @@ def _can_use_torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.de
     )
 
 
-def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool, detach: bool, alias: bool) -> torch.Tensor:
-    """One replica's copy of ``t``: the tensor itself, an aliasing view, or a copy on ``device``."""
+def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool, alias: bool) -> torch.Tensor:
+    """One replica's copy of ``t`` without an autograd link: the tensor itself, an alias, or a copy."""
     same_device = t.device == device
-    if not detach and t.requires_grad:
-        # both record an autograd edge back to ``t``. expand_as, not view_as: a view's backward
-        # reshapes the gradient, which a sparse one (nn.Embedding(sparse=True)) refuses; expand's
-        # sums it to the same size, which hands it back as it is. In-place writes under no_grad
-        # (Embedding's max_norm) work on either.
-        return t.expand_as(t) if same_device else t.to(device)
     if same_device and first:
         return t  # torch's contract: the first replica shares the original's tensors
     if same_device and alias:
         return t.detach()
     return t.detach().to(device, copy=True)
+
+
+def _chained_views(t: torch.Tensor, devices: list[torch.device]) -> list[torch.Tensor]:
+    """Differentiable copies of ``t``, one per device, whose gradients reach ``t`` summed in device
+    order, ((g0 + g1) + g2) + ..., as torch's Broadcast backward sums them.
+
+    Each copy hangs on a view of ``t``, and each view is taken of the next device's view: the view
+    of device j adds g_j to what came from the views before it, two terms at a time. An addition of
+    two is the same whichever comes first, so the sum does not depend on the order in which autograd
+    runs the replicas' graphs. With every copy an edge of ``t`` of its own, three or more gradients
+    were added in that order, and ``.grad`` was an ulp off torch's.
+    ``expand_as``, not ``view_as``: a view's backward reshapes the gradient, which a sparse one
+    (``nn.Embedding(sparse=True)``) refuses; expand's sums it to the same size, which hands it back
+    as it is. In-place writes under no_grad (Embedding's max_norm) work on either.
+    """
+    copies = []
+    link = t
+    for device in reversed(devices):
+        link = link.expand_as(link)
+        copies.append(link if device == t.device else link.to(device))
+    return copies[::-1]
 
 
 def _broadcast(
@@ -73,10 +89,10 @@ def _broadcast(
         return [[] for _ in devices]
     if _can_use_torch_broadcast(tensors, devices):
         return _torch_broadcast(tensors, devices, detach)
-    return [
-        [_copy_to(t, device, first=j == 0, detach=detach, alias=alias) for t in tensors]
-        for j, device in enumerate(devices)
-    ]
+    per_tensor = [_chained_views(t, devices) if t.requires_grad and not detach else
+                  [_copy_to(t, device, first=j == 0, alias=alias) for j, device in enumerate(devices)]
+                  for t in tensors]
+    return [list(copies) for copies in zip(*per_tensor)]
 
 
 def _check_replicatable(module: nn.Module) -> None:

@@ -160,3 +160,28 @@ def test_a_module_on_the_meta_device_is_named_with_its_parameter():
     with pytest.raises(NotImplementedError, match=r"^Cannot copy out of meta tensor; no data!: cannot replicate a "
                                                   r"module whose 'weight' is on the meta device\. HINT: materialize"):
         replicate(nn.Linear(3, 2).to("meta"), ["cpu"] * 2)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_replicas_gradients_are_summed_in_device_order_bit_for_bit_at_every_step(n):
+    # torch's Broadcast backward adds the replicas' gradients in device order: ((g0 + g1) + g2) + ...
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(6 * n, 32)
+    per_chunk = []
+    for chunk in x.chunk(n):
+        net.zero_grad(set_to_none=True)
+        net(chunk).pow(2).sum().backward()
+        per_chunk.append([p.grad.clone() for p in net.parameters()])
+    expected = []
+    for grads in zip(*per_chunk):
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        expected.append(total)
+    for _ in range(5):  # the same bits at every step, not only to rounding
+        net.zero_grad(set_to_none=True)
+        replicas = replicate(net, ["cpu"] * n)
+        sum(r(c).pow(2).sum() for r, c in zip(replicas, x.chunk(n))).backward()
+        for (name, p), e in zip(net.named_parameters(), expected):
+            assert torch.equal(p.grad, e), name
