@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 
+import ddpkit  # before torch: it imports torch without the warning a missing numpy would print
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-
-import ddpkit  # before torch: it imports torch without the warning a missing numpy would print
 
 __all__ = ["Model", "RandomDataset", "main"]
 

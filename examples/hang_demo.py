@@ -10,9 +10,9 @@ rank 0 waits in it while rank 1 goes on to the next step's gradient all-reduce. 
 import os
 import tempfile
 
-import torch
+import ddpkit  # before torch: see train_ddp.py
 
-import ddpkit
+import torch
 
 env = ddpkit.init()
 checkpoint = os.path.join(tempfile.gettempdir(), "hang_demo.pt")

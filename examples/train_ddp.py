@@ -24,11 +24,12 @@ import os
 import signal
 from pathlib import Path
 
+# ddpkit before torch: it imports torch without the warning torch prints where numpy is missing
+import ddpkit
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ddpkit
 from ddpkit.checkpoint import (
     capture_rng_state,
     latest_checkpoint,
