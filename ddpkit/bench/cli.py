@@ -137,16 +137,19 @@ def parse_args(argv: list[str], nproc: int | None = None):
         except ImportError:
             parser.error("--plot needs matplotlib, which is not installed. "
                          "HINT: pip install 'ddpkit[plot]' (or matplotlib).")
-    if args.nproc < 2 and any(_TABLE_ALIASES[t] != "collectives" for t in tables):
-        print("ddpkit bench: note: with --nproc 1 there is no communication to measure.",
-              file=sys.stderr)
     backend = args.backend or ("gloo" if args.device == "cpu" else _default_backend())
     if args.device == "cuda" and not _cuda():
         parser.error("--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() "
                      "is False).")
+    if backend == "nccl" and not _cuda():
+        parser.error("--backend nccl: this machine has no usable CUDA device (torch.cuda.is_available() "
+                     "is False), and NCCL reduces CUDA tensors only. HINT: --backend gloo.")
     if args.device == "cpu" and backend == "nccl":
         parser.error("--device cpu with --backend nccl: NCCL reduces CUDA tensors only. "
                      "HINT: --backend gloo for CPU tensors.")
+    if args.nproc < 2 and any(_TABLE_ALIASES[t] != "collectives" for t in tables):
+        print("ddpkit bench: note: with --nproc 1 there is no communication to measure.",
+              file=sys.stderr)
     on_cpu = args.device != "cuda" and (backend == "gloo" or not _cuda())
     return BenchConfig(
         nproc=args.nproc, backend=backend, device=args.device, quick=args.quick,
@@ -195,6 +198,14 @@ def _pool(paths: list[str]) -> int:
     """``--pool``: print the pooled tables of earlier runs; 2 for a file that holds none."""
     from ddpkit.bench.pool import BenchFileError, pool_tables
 
+    real = [os.path.realpath(path) for path in paths]
+    for i, path in enumerate(paths):
+        if real[i] in real[:i]:
+            first = paths[real.index(real[i])]
+            also = "" if path == first else f" (also as {path!r})"
+            print(f"ddpkit bench: --pool names {first!r} twice{also}: its rounds would count twice and narrow "
+                  "the intervals. HINT: name each run's file once.", file=sys.stderr)
+            return 2
     try:
         tables = pool_tables(paths)
     except BenchFileError as e:

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
         if config.log_dir is not None:
             _check_log_dir(config.log_dir)
+        _check_script(config.command)
     except ValueError as e:
         print(f"ddpkit run: error: {e}", file=sys.stderr)
         return 2
@@ -69,3 +70,16 @@ def _check_log_dir(path: str) -> None:
         raise ValueError(f"--log-dir {path!r} is an existing file, not a directory.") from None
     except OSError as e:
         raise ValueError(f"--log-dir {path!r} cannot be written to: {e.strerror or e}.") from None
+
+
+def _check_script(command: tuple[str, ...]) -> None:
+    """A script path that does not exist fails here, once, not in every worker after they started."""
+    if len(command) < 3 or command[:2] != (sys.executable, "-u") or command[2] == "-m":
+        return  # --no-python's program or -m's module: found, or not, where the workers run it
+    script = command[2]
+    if not os.path.exists(script):
+        from ddpkit.errors import explain
+
+        raise ValueError(explain(
+            f"the training script {script!r} does not exist (looked for it from {os.getcwd()}).",
+            "give the script's path as the workers will open it, or -m for a module."))

@@ -209,6 +209,15 @@ def test_device_cuda_without_cuda_is_refused_with_the_reason(capsys):
     assert "--device cuda: this machine has no usable CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_backend_nccl_without_cuda_is_refused_before_any_rank_starts(capsys):
+    # it started the ranks, each of which then printed a traceback ending in init's ValueError
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--backend", "nccl", "--nproc", "1"])
+    assert e.value.code == 2
+    assert "--backend nccl: this machine has no usable CUDA device" in capsys.readouterr().err
+
+
 def test_device_cuda_over_gloo_gives_each_rank_a_gpu_round_robin(monkeypatch):
     from ddpkit.bench import runner
 

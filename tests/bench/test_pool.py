@@ -109,3 +109,12 @@ def test_pool_names_the_file_it_cannot_use(tmp_path, capsys, content, message):
     assert main(["--pool", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(path) in err
+
+
+def test_pool_refuses_a_file_named_twice_whose_rounds_would_count_twice(tmp_path, capsys, monkeypatch):
+    path = _run_file(tmp_path / "run.json", 2, [0.99] * 40)
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--pool", path, path], ["--pool", path, "run.json"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--pool names {path!r} twice" in err and "count twice" in err

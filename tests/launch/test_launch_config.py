@@ -226,6 +226,15 @@ def test_a_bad_log_dir_is_one_line_before_anything_starts(tmp_path, capsys):
                                               " cannot be written to: Not a directory")
 
 
+
+def test_a_script_that_does_not_exist_is_one_line_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    # it started every worker, each of which failed with python's "can't open file" 3 s later
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nproc-per-node", "2", "nope.py", "--lr", "1"]) == 2
+    assert capsys.readouterr().err == (f"ddpkit run: error: the training script 'nope.py' does not exist (looked "
+                                       f"for it from {tmp_path}). HINT: give the script's path as the workers will "
+                                       "open it, or -m for a module.\n")
+
 def test_an_open_progress_line_is_ended_before_another_rank_writes():
     console, stream, rank0, rank1 = _Console(), io.BytesIO(), object(), object()
     out = io.TextIOWrapper(stream)
