@@ -123,6 +123,7 @@ class OutputPump:
                  shown: tuple[bool, bool] = (True, True)):
         self.rank = rank
         self._prefix = f"[rank{rank}]: ".encode()
+        self._tag = self._prefix[:-1]  # "[rank1]:"
         self._tail: deque[bytes] = deque(maxlen=TAIL_LINES)
         self._line = b""  # stderr's current, unfinished line, for the tail
         self._file: BinaryIO | None = None
@@ -172,9 +173,12 @@ class OutputPump:
         line start follows."""
         cleaned = []
         for text, sep in pieces:
-            # torch's excepthook already tags traceback lines "[rank1]: "; do not tag them twice
-            if at_start and text.startswith(self._prefix):
-                text = text[len(self._prefix):]
+            # torch's excepthook already tags traceback lines "[rank1]: ", and its C++ log lines
+            # "[rank1]:W1129 ..." (once a process group exists); do not tag them twice
+            if at_start and text.startswith(self._tag):
+                text = text[len(self._tag):]
+                if text.startswith(b" "):
+                    text = text[1:]
             cleaned.append((text, sep))
             at_start = sep != b""
             if keep_tail:

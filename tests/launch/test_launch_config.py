@@ -13,7 +13,7 @@ import torch
 
 from ddpkit.launch.cli import main
 from ddpkit.launch.config import parse_args
-from ddpkit.launch.logs import _Console
+from ddpkit.launch.logs import OutputPump, _Console
 from ddpkit.launch.summary import describe_exit, traceback_tail
 from ddpkit.launch.workers import Placement, worker_env
 
@@ -234,6 +234,23 @@ def test_a_script_that_does_not_exist_is_one_line_before_any_worker_starts(tmp_p
     assert capsys.readouterr().err == (f"ddpkit run: error: the training script 'nope.py' does not exist (looked "
                                        f"for it from {tmp_path}). HINT: give the script's path as the workers will "
                                        "open it, or -m for a module.\n")
+
+
+def test_lines_torch_already_tagged_with_the_rank_are_not_tagged_twice(monkeypatch):
+    # torch's excepthook writes "[rank1]: ...", its C++ logs "[rank1]:W1129 ..." once a group exists
+    stream = io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(stream, write_through=True))
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pump = OutputPump(1, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+    os.write(err_w, b"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"t.py\", line 3\n"
+                    b"[rank1]:W1129 04:50:01.123 torch/log.cpp:1] a warning\nplain\n[rank0]: not mine\n")
+    os.close(err_w)
+    os.close(out_w)
+    assert pump.join(timeout=10)
+    assert stream.getvalue().decode().splitlines() == [
+        "[rank1]: Traceback (most recent call last):", '[rank1]:   File "t.py", line 3',
+        "[rank1]: W1129 04:50:01.123 torch/log.cpp:1] a warning", "[rank1]: plain", "[rank1]: [rank0]: not mine"]
 
 def test_an_open_progress_line_is_ended_before_another_rank_writes():
     console, stream, rank0, rank1 = _Console(), io.BytesIO(), object(), object()
