@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.bench.ddp_step import Stepper, make_ddp, paired_ratio, time_interleaved
-from ddpkit.bench.report import Table, median
+from ddpkit.bench.report import Table, median, ranks
 from ddpkit.ddp.bucket import Bucket
 from ddpkit.ddp.distributed import DistributedDataParallel
 
@@ -79,7 +79,7 @@ def run_big_gradients(quick: bool, repeats: int, steps: int, device: torch.devic
 
 def big_gradients_table(rows: list[dict], world_size: int) -> Table:
     table = Table(f"6. ddpkit DDP: a gradient scaled by its own hook, or at its bucket's launch "
-                  f"({world_size} ranks; per step)",
+                  f"({ranks(world_size)}; per step)",
                   ["elements", "own hook (ms)", "at launch (ms)", "torch (ms)", "own/launch",
                    "own/launch cpu", "cpu diff per gradient (us)"])
     for r in rows:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ddpkit.bench.ddp_step import Stepper, make_stepper, time_interleaved
-from ddpkit.bench.report import Table, fmt_bytes, median, summarize
+from ddpkit.bench.report import Table, fmt_bytes, median, ranks, summarize
 
 __all__ = ["BUCKET_CAPS_MB", "HOOKS", "sweep_configs", "count_all_reduce", "run_buckets",
            "buckets_table"]
@@ -91,7 +91,7 @@ def run_buckets(model_names: list[str], quick: bool, repeats: int, steps: int,
 
 
 def buckets_table(rows: list[dict], world_size: int) -> Table:
-    table = Table(f"3. ddpkit DDP: bucket cap and comm hook ({world_size} ranks; per step)",
+    table = Table(f"3. ddpkit DDP: bucket cap and comm hook ({ranks(world_size)}; per step)",
                   ["model", "impl", "cap (MB)", "hook", "all-reduces", "all-reduced",
                    "sent per rank", "median (ms)", "q1 (ms)", "q3 (ms)", "cpu (ms)"])
     for r in rows:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.report import Table, fmt_bytes, median
+from ddpkit.bench.report import Table, fmt_bytes, median, ranks
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 
 __all__ = ["OPS", "alg_bandwidth", "bus_bandwidth", "message_sizes", "repeats_for", "run_collectives",
@@ -116,7 +116,7 @@ def run_collectives(sizes: list[int], repeats: int, device: torch.device,
 
 
 def collectives_table(rows: list[dict], world_size: int, backend: str) -> Table:
-    table = Table(f"1. Collectives ({world_size} ranks, {backend}; median of repeats, max over ranks)",
+    table = Table(f"1. Collectives ({ranks(world_size)}, {backend}; median of repeats, max over ranks)",
                   ["op", "size", "repeats", "time (us)", "algbw (GB/s)", "busbw (GB/s)"])
     for r in rows:
         table.add(r["op"], fmt_bytes(r["bytes"]), r["repeats"], f"{r['seconds'] * 1e6:.1f}",

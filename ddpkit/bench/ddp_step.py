@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.bench.models import build_model, make_batch
-from ddpkit.bench.report import Table, median, median_interval, quantile, summarize
+from ddpkit.bench.report import Table, median, median_interval, quantile, ranks, summarize
 from ddpkit.bench.sync import barrier, max_over_ranks, synchronize
 from ddpkit.ddp.distributed import DistributedDataParallel
 
@@ -193,7 +193,7 @@ def paired_ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def ddp_step_table(rows: list[dict], world_size: int, steps: int, describe: dict[str, str]) -> Table:
-    table = Table(f"2. DDP step time ({world_size} ranks; per step, {steps} steps per repeat, "
+    table = Table(f"2. DDP step time ({ranks(world_size)}; per step, {steps} steps per repeat, "
                   "variants interleaved)",
                   ["model", "variant", "median (ms)", "q1 (ms)", "q3 (ms)", "min (ms)", "max (ms)",
                    "repeats", "cpu (ms)"])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddpkit.bench.ddp_step import Stepper, make_ddp, paired_ratio, time_interleaved
 from ddpkit.bench.models import build_model, make_batch
-from ddpkit.bench.report import Table, median
+from ddpkit.bench.report import Table, median, ranks
 from ddpkit.ddp.cpu_share import in_place_pays
 from ddpkit.ddp.distributed import DistributedDataParallel
 from ddpkit.ddp.inplace_bucket import IN_PLACE_BYTES, InPlaceBucket
@@ -77,7 +77,7 @@ def run_in_place(model_names: list[str], quick: bool, repeats: int, steps: int, 
 
 
 def in_place_table(result: dict, world_size: int) -> Table:
-    table = Table(f"7. ddpkit DDP: big CPU gradients in place, or in buckets ({world_size} ranks; per step)",
+    table = Table(f"7. ddpkit DDP: big CPU gradients in place, or in buckets ({ranks(world_size)}; per step)",
                   ["model", "big gradients", "in place (ms)", "buckets (ms)", "torch (ms)",
                    "buckets/in place", "95%", "cpu"])
     for r in result["rows"]:
@@ -90,7 +90,7 @@ def in_place_table(result: dict, world_size: int) -> Table:
                        "buckets/in place: median over rounds of the paired ratio [95% interval]; cpu: the same "
                        "of the process CPU time (all threads, max over ranks).")
     chosen = "in place" if result["rule_keeps_in_place"] else "buckets"
-    table.notes.append(f"ddpkit's rule on this host ({world_size} ranks): {chosen} (in place where every rank has "
+    table.notes.append(f"ddpkit's rule on this host ({ranks(world_size)}): {chosen} (in place where every rank has "
                        "a core, or all share one).")
     if result["skipped"]:
         table.notes.append("no big gradient, not on the CPU, or a world of one (not run): "

@@ -27,7 +27,7 @@ import torch
 
 from ddpkit.bench.ddp_step import make_stepper
 from ddpkit.bench.fresh import in_fresh_processes
-from ddpkit.bench.report import Table, fmt_bytes
+from ddpkit.bench.report import Table, fmt_bytes, ranks
 from ddpkit.bench.sync import max_over_ranks
 from ddpkit.bench.tensor_peak import tensor_peak
 
@@ -216,7 +216,7 @@ def run_memory(model_names: list[str], quick: bool, device: torch.device, steps:
 def memory_table(rows: list[dict], world_size: int) -> Table:
     peak_name = {"cuda_allocated": "CUDA peak", "rss_hwm": "RSS high-water"}.get(rows[0]["peak_kind"] if rows else "",
                                                                                 "RSS peak")
-    table = Table(f"4. Gradient memory, gradient_as_bucket_view off/on ({world_size} ranks; max over "
+    table = Table(f"4. Gradient memory, gradient_as_bucket_view off/on ({ranks(world_size)}; max over "
                   "ranks)",
                   ["model", "impl", "grad view", "params", "grads", "buckets", "accounted",
                    f"{peak_name} delta", "retained", "tensor peak"])

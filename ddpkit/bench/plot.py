@@ -4,6 +4,8 @@ matplotlib is an optional extra (``pip install 'ddpkit[plot]'``) and is imported
 """
 from __future__ import annotations
 
+from ddpkit.bench.report import ranks
+
 __all__ = ["plot_results"]
 
 
@@ -39,7 +41,7 @@ def _plot_bandwidth(ax, rows: list[dict], meta: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(f"collectives, {meta['world_size']} ranks, {meta['backend']}")
+    ax.set_title(f"collectives, {ranks(meta['world_size'])}, {meta['backend']}")
     ax.grid(True, alpha=0.3)
     ax.legend()
 
@@ -62,7 +64,7 @@ def _plot_steps(ax, rows: list[dict], meta: dict) -> None:
         ax.bar(xs, heights, width, yerr=errs, capsize=3, label=variant, color=f"C{j}")
     ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(models))], models)
     ax.set_ylabel("step time (ms), median and IQR")
-    ax.set_title(f"DDP step, {meta['world_size']} ranks, {meta['backend']}")
+    ax.set_title(f"DDP step, {ranks(meta['world_size'])}, {meta['backend']}")
     ax.legend()
 
 
@@ -79,7 +81,7 @@ def _plot_ratios(ax, ratios: dict, meta: dict) -> None:
     ax.set_xticks([i + 0.27 for i in range(len(models))], models, rotation=30)
     ax.set_ylim(0.6, 1.4)
     ax.set_ylabel("step-time ratio, median and quartiles")
-    ax.set_title(f"ratios, {meta['world_size']} ranks")
+    ax.set_title(f"ratios, {ranks(meta['world_size'])}")
     ax.legend()
 
 
@@ -95,5 +97,5 @@ def _plot_memory(ax, rows: list[dict], meta: dict) -> None:
                label=f"{impl}, {'view' if view else 'no view'}")
     ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(models))], models, rotation=30)
     ax.set_ylabel("peak memory delta (MiB)")
-    ax.set_title(f"memory, {meta['world_size']} ranks")
+    ax.set_title(f"memory, {ranks(meta['world_size'])}")
     ax.legend()

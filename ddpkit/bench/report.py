@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["Table", "fmt_bytes", "median", "median_interval", "quantile", "summarize"]
+__all__ = ["Table", "fmt_bytes", "median", "median_interval", "quantile", "ranks", "summarize"]
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -54,6 +54,11 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     """Median, quartiles and extremes of repeated timings."""
     return {"median": median(values), "q1": quantile(values, 0.25), "q3": quantile(values, 0.75),
             "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ranks(n: int) -> str:
+    """"1 rank", "2 ranks": a world size as the tables' titles say it."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def fmt_bytes(n: float) -> str:

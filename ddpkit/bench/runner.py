@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.bench.report import ranks
 from ddpkit.runtime.quick_exit import quick_exit
 
 __all__ = ["BenchConfig", "TABLES", "rank_main", "run_tables"]
@@ -166,7 +167,7 @@ def _meta(config: BenchConfig, world_size: int, backend: str, device: torch.devi
 
 
 def _header(meta: dict) -> str:
-    return (f"ddpkit bench: {meta['world_size']} ranks, backend {meta['backend']}, device "
+    return (f"ddpkit bench: {ranks(meta['world_size'])}, backend {meta['backend']}, device "
             f"{meta['device']}, {meta['threads_per_rank']} thread(s) per rank, {meta['cpus']} CPUs; "
             f"torch {meta['torch']}, ddpkit {meta['ddpkit']}")
 
