@@ -40,7 +40,7 @@ def test_one_rank_elsewhere_in_a_large_job_is_one_line_and_slow():
     answers = {r: _state(r, [_item(457)]) for r in range(16) if r != 7}
     answers[7] = _state(7, where="eval.py:41 in evaluate()")
     report = _report(answers)
-    assert ("  ranks 0-6, 8-15: waits in all_reduce #457 float32[10] at train.py:88 in step() "
+    assert ("  ranks 0-6, 8-15: wait in all_reduce #457 float32[10] at train.py:88 in step() "
             "[the default group], for 61.0 s") in report["text"]
     assert "  rank 7: in no collective; at eval.py:41 in evaluate()" in report["text"]
     assert ("rank 7 has not reached all_reduce #457 (train.py:88 in step()) that ranks 0-6, 8-15 wait in; "
@@ -200,3 +200,54 @@ def test_a_rank_that_exited_while_the_others_wait_in_ddp_hints_at_uneven_batches
     assert ("rank 0 waits in all_reduce #8 (train.py:88 in step()): if rank 1's data ran out first (ranks with "
             "different numbers of batches), train under 'with model.join():' or give every rank as many batches "
             "(DistributedSampler(..., drop_last=True)).") in report["text"]
+
+
+def test_a_rank_in_a_collective_called_through_an_early_reference_is_named_and_the_deadlock_certain():
+    # "from torch.distributed import barrier" before ddpkit.init(): the recorder never saw that call
+    answers = {0: _state(0, where="train.py:13 in <module>", ranks=2),
+               1: _state(1, [{**_item(12), "via": "DDP"}], ranks=2)}
+    answers[0]["top"] = f"{_C10D} in barrier()"
+    report = _report(answers)
+    assert "  rank 0: waits in torch.distributed.barrier(), which ddpkit does not record; at train.py:13" \
+        in report["text"]
+    assert ("rank 0 has not reached all_reduce #12 (train.py:88 in step()) that rank 1 waits in; it waits in "
+            "torch.distributed.barrier() instead, at train.py:13 in <module>.") in report["text"]
+    assert ("the torch.distributed.barrier() that rank 0 waits in (train.py:13 in <module>) is one ddpkit does "
+            "not record: called through a reference taken before ddpkit.init() (from torch.distributed import "
+            "barrier)") in report["text"]
+    assert "the other ranks wait in all_reduce, never in barrier: no rank can move on." in report["text"]
+    assert report["certain"] and "slow is not wrong" not in report["text"]
+
+
+@pytest.mark.parametrize("other", ["same op", "busy"])
+def test_an_unrecorded_collective_that_may_match_or_a_busy_rank_is_not_certain(other):
+    answers = {0: _state(0, where="train.py:13 in <module>"), 1: _state(1, [_item(12, op="barrier", what="")]),
+               2: _state(2, [_item(12, op="barrier", what="")])}
+    answers[0]["top"] = f"{_C10D} in {'barrier' if other == 'same op' else 'all_reduce'}()"
+    if other == "busy":
+        answers[2] = _state(2, where="data.py:5 in load()")
+    report = _report(answers)
+    assert "which ddpkit does not record" in report["text"] and not report["certain"]
+
+
+def test_ddps_all_reduce_against_another_collective_hints_at_uneven_batches():
+    answers = {0: _state(0, [_item(30, op="broadcast", what="int64[1] from rank 0", site="train.py:40 in save()")],
+                         ranks=2),
+               1: _state(1, [{**_item(30), "via": "DDP"}], ranks=2)}
+    text = _report(answers)["text"]
+    assert ("rank 1 still trains (DDP's all-reduce) where the others have moved on: if their data ran out "
+            "first (ranks with different numbers of batches), train under 'with model.join():'") in text
+
+
+@pytest.mark.parametrize("first", [1, 40])
+def test_where_the_history_kept_shows_no_earlier_split_it_says_how_far_back_it_looked(first):
+    # rank 0 called one broadcast more, long ago: since then both call line 12 at every seq
+    bcast = {"op": "broadcast", "what": "int64[1] from rank 0", "site": "train.py:12 in <module>"}
+    same = [_item(seq, age=0.0, **bcast) for seq in range(first, 104)]
+    answers = {0: _state(0, [_item(104, **bcast)], recent=same, ranks=2),
+               1: _state(1, [_item(104, site="train.py:16 in <module>")], recent=same, ranks=2)}
+    text = _report(answers)["text"]
+    assert "the ranks disagree at #104" in text
+    note = ("the collectives #40 to #103, as far back as each rank keeps them, were called from the same places: "
+            "if a rank called one the others did not, it was before #40.")
+    assert (note in text) == (first == 40)

@@ -123,13 +123,15 @@ class GroupLog:
                 record.end = now
             record.work = False  # False: it was async, and has completed
 
-    def snapshot(self, now: float, recent: int = 16) -> dict[str, Any]:
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """The group's state as a report reads it; ``recent`` is the whole ring (where the ranks went
+        apart may lie 50 collectives back: a few a step, for a dozen steps)."""
         records = list(self.ring)
         done = [r.seq for r in records if r.end is not None and r.error is None]
         return {"name": self.name, "ranks": self.ranks, "default": self.default, "seq": self.seq,
                 "done": max(done) if done else 0,
                 "waiting": [r.describe(now) for r in records if r.end is None or r.error],
-                "recent": [r.describe(now) for r in records[-recent:]]}
+                "recent": [r.describe(now) for r in records]}
 
 
 class Recorder:

@@ -11,6 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ddpkit.runtime.hangs.states import (
+    blocked_in_p2p,
+    first_waiting,
+    missing_sentence,
+    unrecorded,
+    waiting_in,
+)
+
 __all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "HANDLED", "ISSUERS"]
 
 Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
@@ -55,19 +63,6 @@ def _call(item: dict[str, Any]) -> str:
     return text
 
 
-def _first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
-    """The oldest outstanding collective of a rank and its group, or None when it waits in none."""
-    found = [(item, group) for group in state["groups"] for item in group["waiting"]]
-    return max(found, key=lambda pair: pair[0]["age"]) if found else None
-
-
-def _waiting_in(state: dict[str, Any], name: str) -> dict | None:
-    for group in state["groups"]:
-        if group["name"] == name and group["waiting"]:
-            return min(group["waiting"], key=lambda item: item["seq"])
-    return None
-
-
 # the innermost frame of a rank inside backward(), in the autograd engine's call
 _IN_BACKWARD = re.compile(r"torch[/\\]autograd[/\\](graph|__init__)\.py:\d+ in (_engine_run_backward|backward)\(\)$")
 
@@ -86,8 +81,11 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
     lines: dict[str, list[int]] = {}
     ages: dict[str, float] = {}
     for rank, state in answers.items():
-        waiting = _first_waiting(state)
-        if waiting is None:
+        waiting = first_waiting(state)
+        unseen = unrecorded(state)
+        if waiting is None and unseen:
+            line = f"waits in torch.distributed.{unseen}(), which ddpkit does not record; at {_where(state)}"
+        elif waiting is None:
             line = f"in no collective; at {_where(state)}"
         else:
             item, group = waiting
@@ -99,58 +97,25 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
         if waiting is not None:
             ages[line] = max(ages.get(line, 0.0), waiting[0]["age"])
         lines.setdefault(line, []).append(rank)
-    text = [f"  {rank_list(ranks)}: {line}" + (f", for {ages[line]:.1f} s" if line in ages else "")
+    text = [f"  {rank_list(ranks)}: {_plural(line) if len(ranks) > 1 else line}"
+            + (f", for {ages[line]:.1f} s" if line in ages else "")
             for line, ranks in sorted(lines.items(), key=lambda kv: min(kv[1]))]
     picture = "\n".join(f"{rank_list(ranks)}: {line}" for line, ranks in sorted(lines.items()))
     return text, picture
 
 
-def _blocked_in_p2p(state: dict[str, Any]) -> str | None:
-    """"recv" or "send" when the rank's innermost frame is torch's blocking point-to-point call, which
-    the recorder does not number (its peer, not its group, must match it)."""
-    found = re.search(r"distributed_c10d\.py:\d+ in (recv|send)\(\)$", state.get("top") or "")
-    return found.group(1) if found else None
+def _plural(line: str) -> str:
+    """A state line said of several ranks: "wait in", "were in"."""
+    for one, many in (("waits in ", "wait in "), ("was in ", "were in ")):
+        if line.startswith(one):
+            return many + line[len(one):]
+    return line
 
 
-def _missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
-    final = info.get("final")
-    if final:
-        if final["how"] == "hang":
-            return (f"rank {rank} has ended with exit code {final['code']} after a report of a certain deadlock "
-                    f"(it waited in {final['where']})")
-        if final["how"] == "exception":
-            return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
-        if final["how"] == "shutdown":
-            return f"rank {rank} has left the job: it called ddpkit.shutdown() at {final['where']}"
-        return (f"rank {rank} has exited without ddpkit.shutdown(): its script ended or called sys.exit() "
-                f"while other ranks still needed it (its last collective: {final['where']})")
-    pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
-    if info.get("parent_exited"):  # which died first cannot be told from here
-        return (f"rank {rank} ({pid}) has died without a word, and the process that started it (pid "
-                f"{info['parent']}) is gone too: its launcher was killed (ddpkit run and torchrun take their "
-                "workers with them), or the rank was killed (SIGKILL: out of memory?) and a wrapper script "
-                "that ran it ended with it")
-    if info.get("exited"):
-        return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
-                "memory?), a crash in native code (Gloo aborts a rank whose collective receives another size "
-                "than its own tensor's: the ranks' tensors may differ), or os._exit")
-    if info.get("stopped") == "stopped":
-        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process is stopped "
-                f"(SIGSTOP, or Ctrl-Z in its shell); it goes on after 'kill -CONT {info['pid']}'")
-    if info.get("stopped") == "traced":
-        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: a debugger holds its "
-                "process (a breakpoint, or gdb/py-spy attached); it goes on when the debugger lets it")
-    if info.get("exited") is False:
-        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, yet its process lives: "
-                "it is in a long call that holds Python's lock (native code, a big pickle or regex), or "
-                "stuck in one")
-    return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, and from another host this "
-            "rank cannot tell whether its process lives: it may be in a long call that holds Python's "
-            "lock, stuck, or gone")
-
-
-def _divergence(groups_by_rank: dict[int, list[dict]], name: str) -> tuple[int, str] | None:
-    """The first collective of group ``name`` that the ranks called from different places."""
+def _divergence(groups_by_rank: dict[int, list[dict]], name: str, waiting_at: set[int]) -> tuple[int, str] | None:
+    """The first collective of group ``name`` that the ranks called from different places. Where that
+    is the one they wait in now (``waiting_at``), the history each rank keeps shows no earlier split:
+    then where that history starts (seq 0)."""
     calls: dict[int, dict[int, tuple]] = {}
     for rank, rank_groups in groups_by_rank.items():
         for group in rank_groups:
@@ -164,6 +129,11 @@ def _divergence(groups_by_rank: dict[int, list[dict]], name: str) -> tuple[int, 
         for rank, c in calls.items():
             seen.setdefault(c[seq], []).append(rank)
         if len(seen) > 1:
+            first = min(common)
+            if seq in waiting_at and 1 < first < seq:  # one rank's extra call may lie further back
+                return 0, (f"the collectives #{first} to #{seq - 1}, as far back as each rank keeps them, were "
+                           "called from the same places: if a rank called one the others did not, it was "
+                           f"before #{first}.")
             sides = "; ".join(f"{rank_list(ranks)} {op} {what} at {site}".replace("  ", " ")
                               for (op, what, site), ranks in sorted(seen.items(), key=lambda kv: min(kv[1])))
             return seq, f"the first collective the ranks called from different places is #{seq}: {sides}."
@@ -177,15 +147,15 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
     for info in missing.values():
         for group in info.get("final", {}).get("groups", []) if info.get("final") else []:
             groups.setdefault(group["name"], group)
-    waiting_groups = {g: groups[g] for g in groups if any(_waiting_in(s, g) for s in answers.values())}
-    busy = [r for r, s in answers.items() if _first_waiting(s) is None]
+    waiting_groups = {g: groups[g] for g in groups if any(waiting_in(s, g) for s in answers.values())}
+    busy = [r for r, s in answers.items() if first_waiting(s) is None]
     known = {r: s["groups"] for r, s in answers.items()}
     known.update({r: info["final"].get("groups", []) for r, info in missing.items() if info.get("final")})
     for rank, info in sorted(missing.items()):
-        sentence = _missing_sentence(rank, info, answer_seconds)
-        waiting = [r for r in answers if _first_waiting(answers[r])]
+        sentence = missing_sentence(rank, info, answer_seconds)
+        waiting = [r for r in answers if first_waiting(answers[r])]
         if waiting:
-            item = _first_waiting(answers[min(waiting)])[0]
+            item = first_waiting(answers[min(waiting)])[0]
             one = len(waiting) == 1
             verb = ("was" if one else "were") if item.get("error") else ("waits" if one else "wait")
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
@@ -200,7 +170,7 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
     can_complete = False
     for name, group in sorted(waiting_groups.items()):
         members = [r for r in group["ranks"] if r in answers]
-        items = {r: _waiting_in(answers[r], name) for r in members}
+        items = {r: waiting_in(answers[r], name) for r in members}
         waiters = [r for r in members if items[r] is not None]
         signatures: dict[tuple, list[int]] = {}
         for r in waiters:
@@ -214,6 +184,12 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             sides = ", ".join(f"{rank_list(rs)} {_call(items[rs[0]])}"
                               for sig, rs in sorted(signatures.items(), key=lambda kv: min(kv[1])))
             sentences.append(f"the ranks disagree at {at}{where}: {sides}.")
+            ddp = [r for r in waiters if items[r].get("via") == "DDP"]
+            if ddp and len(ddp) < len(waiters):
+                sentences.append(f"{rank_list(ddp)} still train{'s' if len(ddp) == 1 else ''} (DDP's all-reduce) "
+                                 "where the others have moved on: if their data ran out first (ranks with "
+                                 "different numbers of batches), train under 'with model.join():' or give every "
+                                 "rank as many batches (DistributedSampler(..., drop_last=True)).")
             if not absent and not [r for r in group["ranks"] if r in missing]:
                 certain = True
         elif not absent and not [r for r in group["ranks"] if r in missing]:
@@ -225,19 +201,22 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             item = items[waiters[0]] if waiters else None
             if item is None:
                 continue
-            elsewhere = _first_waiting(answers[r])
+            elsewhere = first_waiting(answers[r])
             if elsewhere is None:
-                state = f"it is at {_where(answers[r])}"
+                op = unrecorded(answers[r])
+                state = (f"it waits in torch.distributed.{op}() instead, at {answers[r].get('where')}" if op
+                         else f"it is at {_where(answers[r])}")
             else:
                 state = f"it waits in {_call(elsewhere[0])} of {_group_name(elsewhere[1])} instead"
             sentences.append(f"rank {r} has not reached {_op(item)}{where} ({item['site']}) that "
                              f"{rank_list(waiters)} wait{'s' if len(waiters) == 1 else ''} in; {state}.")
-        hint = _divergence(known, name) if (absent or len(signatures) > 1 or missing) else None
-        if hint and not (len(signatures) > 1 and {hint[0]} == {sig[0] for sig in signatures}):
+        waiting_at = {sig[0] for sig in signatures}
+        hint = _divergence(known, name, waiting_at) if (absent or len(signatures) > 1 or missing) else None
+        if hint and not (len(signatures) > 1 and {hint[0]} == waiting_at):
             sentences.append(hint[1])
     if not busy and not can_complete and waiting_groups and not perhaps_busy:
         certain = True
-    receiving = [r for r in busy if _blocked_in_p2p(answers[r]) == "recv"]
+    receiving = [r for r in busy if blocked_in_p2p(answers[r]) == "recv"]
     if receiving and len(receiving) == len(busy) and not can_complete and not perhaps_busy:
         # a rank in send may be in the middle of a long transfer; one in recv waits for a rank that
         # is itself waiting in a collective or a recv, so nothing will ever be sent
@@ -246,7 +225,33 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
                          f"{_where(answers[receiving[0]])}, a point-to-point call, and every other rank "
                          "waits in a collective or a recv: no rank is left to send.")
         certain = True
+    certain = _judge_unrecorded(answers, busy, sentences, can_complete or bool(perhaps_busy)) or certain
     return sentences, certain
+
+
+def _judge_unrecorded(answers: dict[int, dict], busy: list[int], sentences: list[str], may_move: bool) -> bool:
+    """Ranks blocked in a collective the recorder never saw: said so, and certain when every other
+    rank waits in a recorded collective (or a recv) of another kind, which theirs can never match."""
+    blocked = {r: op for r in busy if (op := unrecorded(answers[r]))}
+    if not blocked:
+        return False
+    recorded = {item["op"] for state in answers.values() for group in state["groups"] for item in group["waiting"]}
+    by_op: dict[str, list[int]] = {}
+    for r, op in blocked.items():
+        by_op.setdefault(op, []).append(r)
+    for op, ranks in sorted(by_op.items(), key=lambda kv: min(kv[1])):
+        one = len(ranks) == 1
+        sentences.append(
+            f"the torch.distributed.{op}() that {rank_list(ranks)} wait{'s' if one else ''} in "
+            f"({answers[ranks[0]].get('where')}) is one ddpkit does not record: called through a reference taken "
+            f"before ddpkit.init() (from torch.distributed import {op}), which ddpkit cannot wrap; call "
+            f"dist.{op}() (import torch.distributed as dist) to have it numbered and compared.")
+    certain = (bool(recorded) and not may_move and not recorded & set(blocked.values())
+               and all(r in blocked or blocked_in_p2p(answers[r]) == "recv" for r in busy))
+    if certain:
+        sentences.append(f"the other ranks wait in {', '.join(sorted(recorded))}, never in "
+                         f"{', '.join(sorted(set(blocked.values())))}: no rank can move on.")
+    return certain
 
 
 def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_timeout: float,
@@ -266,7 +271,7 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
                   "a lock it held), that wait never ends; the thread's exception is the cause to fix."
                   for rank, state in sorted(answers.items()) for dead in state.get("dead_threads") or ()]
     failed = [r for r, state in sorted(answers.items())
-              if (waiting := _first_waiting(state)) is not None and waiting[0].get("error")]
+              if (waiting := first_waiting(state)) is not None and waiting[0].get("error")]
     # a rank that went away by itself (not one a report ended) closes its connections, and the
     # collectives waiting on it raise: those errors go on to the scripts, as under torch
     peer_gone = any((info.get("final") or {}).get("how") != "hang" and (info.get("final") or info.get("exited"))

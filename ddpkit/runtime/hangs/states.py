@@ -1,0 +1,84 @@
+"""What one rank's published state says: the collective it waits in (one the recorder numbered, one it
+never saw, or a point-to-point call), and why a rank that did not answer is missing. The report
+(``report.py``) puts these together across ranks.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["first_waiting", "waiting_in", "unrecorded", "blocked_in_p2p", "missing_sentence"]
+
+
+def first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
+    """The oldest outstanding collective of a rank and its group, or None when it waits in none."""
+    found = [(item, group) for group in state["groups"] for item in group["waiting"]]
+    return max(found, key=lambda pair: pair[0]["age"]) if found else None
+
+
+def waiting_in(state: dict[str, Any], name: str) -> dict | None:
+    for group in state["groups"]:
+        if group["name"] == name and group["waiting"]:
+            return min(group["waiting"], key=lambda item: item["seq"])
+    return None
+
+
+# torch's collectives, as the innermost frame of a rank blocked in one (point-to-point calls apart)
+_C10D_CALL = re.compile(r"distributed_c10d\.py:\d+ in (\w+)\(\)$")
+_COLLECTIVES = frozenset((
+    "all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "reduce",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"))
+
+
+def unrecorded(state: dict[str, Any]) -> str | None:
+    """The torch collective a rank that waits in no recorded one is blocked in: one called through a
+    reference taken before ``ddpkit.init()`` wrapped it (``from torch.distributed import barrier``)."""
+    if first_waiting(state) is not None:
+        return None
+    found = _C10D_CALL.search(state.get("top") or "")
+    return found.group(1) if found and found.group(1) in _COLLECTIVES else None
+
+
+def blocked_in_p2p(state: dict[str, Any]) -> str | None:
+    """"recv" or "send" when the rank's innermost frame is torch's blocking point-to-point call, which
+    the recorder does not number (its peer, not its group, must match it)."""
+    found = re.search(r"distributed_c10d\.py:\d+ in (recv|send)\(\)$", state.get("top") or "")
+    return found.group(1) if found else None
+
+
+def missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
+    final = info.get("final")
+    if final:
+        if final["how"] == "hang":
+            return (f"rank {rank} has ended with exit code {final['code']} after a report of a certain deadlock "
+                    f"(it waited in {final['where']})")
+        if final["how"] == "exception":
+            return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
+        if final["how"] == "shutdown":
+            return f"rank {rank} has left the job: it called ddpkit.shutdown() at {final['where']}"
+        return (f"rank {rank} has exited without ddpkit.shutdown(): its script ended or called sys.exit() "
+                f"while other ranks still needed it (its last collective: {final['where']})")
+    pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
+    if info.get("parent_exited"):  # which died first cannot be told from here
+        return (f"rank {rank} ({pid}) has died without a word, and the process that started it (pid "
+                f"{info['parent']}) is gone too: its launcher was killed (ddpkit run and torchrun take their "
+                "workers with them), or the rank was killed (SIGKILL: out of memory?) and a wrapper script "
+                "that ran it ended with it")
+    if info.get("exited"):
+        return (f"rank {rank} ({pid}) has died without a word: killed by a signal (SIGKILL: out of "
+                "memory?), a crash in native code (Gloo aborts a rank whose collective receives another size "
+                "than its own tensor's: the ranks' tensors may differ), or os._exit")
+    if info.get("stopped") == "stopped":
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: its process is stopped "
+                f"(SIGSTOP, or Ctrl-Z in its shell); it goes on after 'kill -CONT {info['pid']}'")
+    if info.get("stopped") == "traced":
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s: a debugger holds its "
+                "process (a breakpoint, or gdb/py-spy attached); it goes on when the debugger lets it")
+    if info.get("exited") is False:
+        return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, yet its process lives: "
+                "it is in a long call that holds Python's lock (native code, a big pickle or regex), or "
+                "stuck in one")
+    return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, and from another host this "
+            "rank cannot tell whether its process lives: it may be in a long call that holds Python's "
+            "lock, stuck, or gone")
