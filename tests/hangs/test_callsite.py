@@ -15,9 +15,26 @@ def _training_loop():
 def test_the_site_is_the_first_user_frame_with_the_user_frame_that_called_it():
     site, via = _training_loop()
     assert site[:3] == (__file__, _helper.__code__.co_firstlineno + 1, "_helper")
-    assert site[3] == (__file__, _training_loop.__code__.co_firstlineno + 1, "_training_loop")
+    assert site[3][:3] == (__file__, _training_loop.__code__.co_firstlineno + 1, "_training_loop")
     assert via is None  # no ddpkit function on the way
     assert "in _helper(), called from " in callsite.format_site(site)
+
+
+def test_through_a_helper_module_the_training_scripts_line_is_named_too(monkeypatch):
+    # train.py:3 calls log_metrics() in utils.py, which calls reduce_mean() there: the script's line is
+    # the one a user looks for, and neither of the two innermost frames is in it
+    utils: dict = {}
+    exec(compile("def reduce_mean():\n    return site()\n\ndef log_metrics():\n    return reduce_mean()\n",
+                 "/home/user/utils.py", "exec"), utils)
+    utils["site"] = lambda: callsite.call_site(depth=2)
+    train: dict = {"log_metrics": utils["log_metrics"]}
+    exec(compile("def main():\n    x = 1\n    return log_metrics()\n", "/home/user/train.py", "exec"), train)
+    monkeypatch.setattr(callsite, "_main_file", lambda: "/home/user/train.py")
+    site, _ = train["main"]()
+    assert callsite.format_site(site) == ("/home/user/utils.py:2 in reduce_mean(), called from /home/user/utils.py:5 "
+                                          "in log_metrics(), from /home/user/train.py:3 in main()")
+    monkeypatch.setattr(callsite, "_main_file", lambda: "/home/user/utils.py")  # the helpers are the script
+    assert callsite.format_site(train["main"]()[0]).endswith("called from /home/user/utils.py:5 in log_metrics()")
 
 
 def test_a_long_function_is_classified_once_by_the_identity_of_its_code():

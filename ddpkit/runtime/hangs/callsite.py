@@ -22,7 +22,8 @@ from ddpkit.runtime.hangs.report import ISSUERS
 
 __all__ = ["Site", "call_site", "thread_site", "format_site", "traceback_site", "handled_error", "describe_error"]
 
-Site = tuple  # (filename, lineno, function[, caller's Site or None]): formatted only when a report needs it
+Site = tuple  # (filename, lineno, function[, caller's Site or None]): formatted only when a report needs it;
+# a caller in the innermost frame's own file carries the training script's innermost frame as its own
 
 _DDP = os.path.join(os.path.dirname(ddpkit.__file__), "ddp") + os.sep
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ddpkit, torch))
@@ -81,8 +82,24 @@ def _site(frame: FrameType) -> Site:
 
 
 def _with_caller(frame: FrameType) -> Site:
-    """``frame`` as a ``Site``, with the user frame that called it."""
-    return _site(frame) + (_user_frame(frame.f_back),)
+    """``frame`` as a ``Site``, with the user frame that called it. Where that caller is in the same
+    file, a helper module's (``log_metrics()`` calling ``reduce_mean()`` in ``utils.py``), the caller
+    carries the innermost frame of the training script (``__main__``) as its own, where there is one."""
+    caller = _first_user(frame.f_back)
+    if caller is None:
+        return _site(frame) + (None,)
+    here, script = frame.f_code.co_filename, _main_file()
+    if caller.f_code.co_filename != here or here == script or script is None:
+        return _site(frame) + (_site(caller),)
+    outer = caller.f_back
+    while outer is not None and outer.f_code.co_filename != script:
+        outer = outer.f_back
+    return _site(frame) + (_site(caller) + (None if outer is None else _site(outer),),)
+
+
+def _main_file() -> str | None:
+    """The training script's file name as its frames give it (``__main__``'s ``__file__``)."""
+    return getattr(sys.modules.get("__main__"), "__file__", None)
 
 
 def _user_frame(frame: FrameType | None) -> Site | None:
@@ -132,13 +149,18 @@ def describe_error(error: BaseException) -> str:
 
 def format_site(site: Site | None) -> str:
     """``train.py:88 in step()``, the path relative to the working directory when it is under it;
-    with its caller, ``utils.py:3 in reduce_mean(), called from train.py:88 in step()``."""
+    with its caller, ``utils.py:3 in reduce_mean(), called from train.py:88 in step()``; through a
+    helper module, ``utils.py:3 in reduce_mean(), called from utils.py:9 in log(), from train.py:88 in
+    step()``."""
     if site is None:
         return "an unknown place (no Python frame outside ddpkit and torch)"
     filename, lineno, function, *caller = site
     text = _format_frame(filename, lineno, function)
     if caller and caller[0] is not None:
-        text += ", called from " + _format_frame(*caller[0])
+        filename, lineno, function, *outer = caller[0]
+        text += ", called from " + _format_frame(filename, lineno, function)
+        if outer and outer[0] is not None:
+            text += ", from " + _format_frame(*outer[0])
     return text
 
 
