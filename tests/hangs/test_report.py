@@ -235,8 +235,8 @@ def test_ddps_all_reduce_against_another_collective_hints_at_uneven_batches():
                          ranks=2),
                1: _state(1, [{**_item(30), "via": "DDP"}], ranks=2)}
     text = _report(answers)["text"]
-    assert ("rank 1 still trains (DDP's all-reduce) where the others have moved on: if their data ran out "
-            "first (ranks with different numbers of batches), train under 'with model.join():'") in text
+    assert ("if the data of rank 0 ran out first (ranks with different numbers of batches), train under "
+            "'with model.join():' or give every rank as many batches") in text
 
 
 @pytest.mark.parametrize("first", [1, 40])

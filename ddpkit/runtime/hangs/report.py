@@ -185,11 +185,11 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
                               for sig, rs in sorted(signatures.items(), key=lambda kv: min(kv[1])))
             sentences.append(f"the ranks disagree at {at}{where}: {sides}.")
             ddp = [r for r in waiters if items[r].get("via") == "DDP"]
-            if ddp and len(ddp) < len(waiters):
-                sentences.append(f"{rank_list(ddp)} still train{'s' if len(ddp) == 1 else ''} (DDP's all-reduce) "
-                                 "where the others have moved on: if their data ran out first (ranks with "
-                                 "different numbers of batches), train under 'with model.join():' or give every "
-                                 "rank as many batches (DistributedSampler(..., drop_last=True)).")
+            if ddp and len(ddp) < len(waiters):  # uneven data looks like this too: the short ranks moved on
+                short = [r for r in waiters if r not in ddp]
+                sentences.append(f"if the data of {rank_list(short)} ran out first (ranks with different numbers "
+                                 "of batches), train under 'with model.join():' or give every rank as many "
+                                 "batches (DistributedSampler(..., drop_last=True)).")
             if not absent and not [r for r in group["ranks"] if r in missing]:
                 certain = True
         elif not absent and not [r for r in group["ranks"] if r in missing]:
