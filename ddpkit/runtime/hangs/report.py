@@ -14,6 +14,7 @@ from typing import Any
 from ddpkit.runtime.hangs.states import (
     blocked_in_p2p,
     first_waiting,
+    kind,
     missing_sentence,
     unrecorded,
     waiting_in,
@@ -246,7 +247,9 @@ def _judge_unrecorded(answers: dict[int, dict], busy: list[int], sentences: list
             f"({answers[ranks[0]].get('where')}) is one ddpkit does not record: called through a reference taken "
             f"before ddpkit.init() (from torch.distributed import {op}), which ddpkit cannot wrap; call "
             f"dist.{op}() (import torch.distributed as dist) to have it numbered and compared.")
-    certain = (bool(recorded) and not may_move and not recorded & set(blocked.values())
+    # of one kind, the unrecorded call may be the very one the others wait in (and slow)
+    kinds = {kind(op) for op in blocked.values()}
+    certain = (bool(recorded) and not may_move and not kinds & {kind(op) for op in recorded}
                and all(r in blocked or blocked_in_p2p(answers[r]) == "recv" for r in busy))
     if certain:
         sentences.append(f"the other ranks wait in {', '.join(sorted(recorded))}, never in "

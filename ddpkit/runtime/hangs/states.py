@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["first_waiting", "waiting_in", "unrecorded", "blocked_in_p2p", "missing_sentence"]
+__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence"]
 
 
 def first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
@@ -25,10 +25,18 @@ def waiting_in(state: dict[str, Any], name: str) -> dict | None:
 
 # torch's collectives, as the innermost frame of a rank blocked in one (point-to-point calls apart)
 _C10D_CALL = re.compile(r"distributed_c10d\.py:\d+ in (\w+)\(\)$")
-_COLLECTIVES = frozenset((
-    "all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "reduce",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"))
+_KINDS = {  # torch's collectives by what they can match on the wire: an object's is its tensor one's
+    "all_reduce": "all_reduce", "broadcast": "broadcast", "broadcast_object_list": "broadcast",
+    "barrier": "barrier", "monitored_barrier": "barrier", "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_object": "all_gather", "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "gather": "gather", "gather_object": "gather", "scatter": "scatter", "scatter_object_list": "scatter",
+    "reduce": "reduce"}
+
+
+def kind(op: str) -> str:
+    """What a collective can match on another rank (``broadcast_object_list`` broadcasts)."""
+    return _KINDS.get(op, op)
 
 
 def unrecorded(state: dict[str, Any]) -> str | None:
@@ -37,7 +45,7 @@ def unrecorded(state: dict[str, Any]) -> str | None:
     if first_waiting(state) is not None:
         return None
     found = _C10D_CALL.search(state.get("top") or "")
-    return found.group(1) if found and found.group(1) in _COLLECTIVES else None
+    return found.group(1) if found and found.group(1) in _KINDS else None
 
 
 def blocked_in_p2p(state: dict[str, Any]) -> str | None:
