@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError", "LateGradientError",
-           "StaticGraphChangedError", "DenseGradientError", "RanksDisagreeError", "CommHookError",
+__all__ = ["explain", "NotAModuleError", "UnusedParametersError", "SecondGradientError",
+           "LateGradientError", "StaticGraphChangedError", "DenseGradientError", "RanksDisagreeError", "CommHookError",
            "NotInitializedError", "LauncherVariableError", "RendezvousError", "CheckpointSaveError",
            "StateDictMismatchError", "CollectiveMismatchError", "ReplicaCountError", "BatchDimError", "EmptyListError",
            "OutputKeysError", "MixedPrecisionError"]
@@ -126,6 +126,14 @@ class NotAModuleError(_Facts, TypeError, AttributeError):
     def __init__(self, message: str, *, got: str) -> None:
         super().__init__(message)
         self.got = got
+
+
+def not_a_module_error(module: object, who: str = "DistributedDataParallel") -> NotAModuleError:
+    """``who`` (DDP or DataParallel) was given ``module``, which is not an ``nn.Module``."""
+    got = type(module).__name__
+    short = "DDP" if who == "DistributedDataParallel" else who
+    return NotAModuleError(explain(f"{who} wraps a torch.nn.Module, got {got} {module!r:.60}.",
+                                   f"wrap the model, an nn.Module instance: {short}(model)."), got=got)
 
 
 class MixedPrecisionError(_Facts, TypeError, AttributeError):

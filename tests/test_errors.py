@@ -190,6 +190,11 @@ def test_unused_parameters_are_listed_by_rank_only_for_ranks_that_lack_some():
     assert error.by_rank == {0: ["a.weight", "a.bias"], 2: ["b.weight"]}
     assert (error.rank, error.static_graph) == (2, True)
     assert "your training graph has changed in this iteration" in str(error)  # torch's words for it
+    # not find_unused_parameters beside static_graph: torch's DDP refuses that pair once the graph changes
+    assert str(error).endswith("HINT: drop static_graph=True, which says every iteration uses the parameters "
+                               "alike, and pass find_unused_parameters=True if some parameters go unused in "
+                               "some iterations.")
+    assert "HINT: pass find_unused_parameters=True" in str(unused_gradient_error(0, [(0, ["a.weight"])], False))
 
 
 def test_a_hook_that_is_not_callable_is_a_comm_hook_error():
@@ -208,7 +213,7 @@ def test_a_hook_result_of_the_wrong_size_is_a_comm_hook_error():
         bucket.take_result(torch.zeros(3), "'halve'", rank=1)
     assert (caught.value.rank, caught.value.hook) == (1, "'halve'")
     assert str(caught.value) == (
-        "comm hook 'halve''s future for bucket 2 holds a tensor of 3 elements, but the bucket has 16 "
+        "the future of comm hook 'halve' for bucket 2 holds a tensor of 3 elements, but the bucket has 16 "
         "elements. HINT: complete the future with the reduced bucket.buffer() (a tensor of the same size), "
         "as ddpkit.hooks.allreduce_hook does.")
 

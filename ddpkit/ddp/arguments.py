@@ -45,6 +45,13 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
     ``params``: the module's parameters that DDP handles (not those it was told to ignore).
     Returns (their device, device_ids as torch stores them, output_device).
     """
+    if isinstance(device_ids, (int, str, torch.device)):
+        # torch's len() of it: "object of type 'int' has no len()", or a str taken letter by letter
+        error = ValueError if isinstance(device_ids, str) else TypeError
+        shown = f"torch.device({str(device_ids)!r})" if isinstance(device_ids, torch.device) else repr(device_ids)
+        raise error(explain(f"device_ids must be a list of one device, but got the {type(device_ids).__name__} "
+                            f"{shown}.", f"wrap it in a list, device_ids=[{shown}] (None for a CPU module, or one "
+                            "on several GPUs)."))
     devices = {p.device for p in params}
     types = sorted({d.type for d in devices})
     if len(types) != 1:
@@ -59,7 +66,7 @@ def check_devices(params: Sequence[torch.Tensor], device_ids: Sequence[int | tor
             raise ValueError(explain(
                 "DistributedDataParallel device_ids and output_device arguments only work with "
                 "single-device/multiple-device GPU modules or CPU modules: "
-                f"device_ids={device_ids} and output_device={output_device} only apply to a module "
+                f"device_ids={device_ids!r} and output_device={output_device!r} only apply to a module "
                 f"on a single GPU, but its parameters are on {sorted(map(str, devices))}.",
                 "leave device_ids and output_device as None for CPU or multi-device modules."))
         return params[0].device, None, None
@@ -172,6 +179,14 @@ def check_comm_hook(hook: Any, rank: int) -> None:
     positional = list(signature.parameters.values())
     bucket = signature.parameters.get("bucket", positional[1] if len(positional) > 1 else None)
     name = getattr(hook, "__name__", type(hook).__name__)
+    try:
+        signature.bind(None, None)
+    except TypeError:  # else the backward fails: "<lambda>() takes 1 positional argument but 2 were given"
+        raise CommHookError(explain(
+            f"comm hook {name!r} cannot be called as hook(state, bucket), which is how DDP calls it: its "
+            f"signature is {name}{signature} (rank {rank}).",
+            "take the state first, even if unused: def hook(state, bucket), and register_comm_hook(None, hook)."),
+            rank=rank, hook=name) from None
     if bucket is not None and not _annotates(bucket.annotation, dist.GradBucket, {"GradBucket"}):
         raise ValueError(explain(
             f"Communication hook: bucket annotation should be dist.GradBucket, but {name}'s {bucket.name!r} "

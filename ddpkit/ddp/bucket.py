@@ -266,7 +266,7 @@ class Bucket(GradBucketBasics):
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
             raise CommHookError(explain(
-                f"comm hook {hook_name}'s future for bucket {self._index} holds {got}, but the bucket "
+                f"the future of comm hook {hook_name} for bucket {self._index} holds {got}, but the bucket "
                 f"has {own.numel()} elements.", "complete the future with the reduced bucket.buffer() (a "
                 "tensor of the same size), as ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
         own.copy_(result.reshape(-1))

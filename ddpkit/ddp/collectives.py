@@ -200,7 +200,7 @@ class Collectives:
                 raise
             except Exception as e:
                 raise CommHookError(explain(  # a RuntimeError, as torch's DDP raises it
-                    f"comm hook {name}'s future for bucket {bucket.index()} failed: {type(e).__name__}: {e}",
+                    f"the future of comm hook {name} for bucket {bucket.index()} failed: {type(e).__name__}: {e}",
                     "the hook's own error is the cause, shown above.", who="DistributedDataParallel",
                     rank=self.rank), rank=self.rank, hook=name) from e
             if isinstance(result, (list, tuple)) and len(result) == 1:

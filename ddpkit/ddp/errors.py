@@ -14,12 +14,12 @@ from typing import Mapping, Sequence
 import torch
 
 from ddpkit.errors import (
-    NotAModuleError,
     RanksDisagreeError,
     SecondGradientError,
     StaticGraphChangedError,
     UnusedParametersError,
     explain,
+    not_a_module_error,
 )
 
 __all__ = ["not_a_module_error", "no_parameters_error", "warn_create_graph", "late_gradient_warning",
@@ -29,12 +29,6 @@ __all__ = ["not_a_module_error", "no_parameters_error", "warn_create_graph", "la
            "refused_elsewhere_error"]
 
 _DDP = "DistributedDataParallel"
-
-
-def not_a_module_error(module: object) -> NotAModuleError:
-    got = type(module).__name__
-    return NotAModuleError(explain(f"DistributedDataParallel wraps a torch.nn.Module, got {got} {module!r:.60}.",
-                                   "wrap the model, an nn.Module instance: DDP(model)."), got=got)
 
 
 def no_parameters_error(rank: int) -> RuntimeError:
@@ -179,6 +173,9 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]], 
                        "before wrapping it in DistributedDataParallel, or wrap it again after the change; "
                        "find_unused_parameters=True would hide this error, and the new parameters would "
                        "still train on each rank alone.")
+    elif static_graph:  # torch's DDP refuses find_unused_parameters beside it once the graph changes
+        hint = ("drop static_graph=True, which says every iteration uses the parameters alike, and pass "
+                "find_unused_parameters=True if some parameters go unused in some iterations.")
     else:
         hint = ("pass find_unused_parameters=True to DistributedDataParallel, or make sure the output (the "
                 "loss) depends on every parameter; freeze parameters you do not train with "

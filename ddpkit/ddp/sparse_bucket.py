@@ -120,7 +120,7 @@ class SparseBucket(GradBucketBasics):
             got = (f"a {result.layout} tensor of shape {list(result.shape)}" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
             raise CommHookError(explain(
-                f"comm hook {hook_name}'s future for bucket {self._index} holds {got}, but the bucket "
+                f"the future of comm hook {hook_name} for bucket {self._index} holds {got}, but the bucket "
                 f"holds a sparse gradient of shape {list(own.shape)}.",
                 "complete the future with the reduced bucket.buffer(), a sparse tensor of the same "
                 "shape, as ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)

@@ -20,7 +20,7 @@ from ddpkit.dp.devices import DeviceLike, as_device, as_devices, check_available
 from ddpkit.dp.parallel_apply import parallel_apply_on
 from ddpkit.dp.replicate import replicate_to
 from ddpkit.dp.scatter_gather import check_dim_type, gather_target, gather_to, scatter_kwargs_to
-from ddpkit.errors import EmptyListError
+from ddpkit.errors import EmptyListError, not_a_module_error
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -161,6 +161,8 @@ class DataParallel(nn.DataParallel[M]):
             self.output_device: int | torch.device | None = None
             self.src_device_obj: torch.device | None = None
             return
+        if not isinstance(module, nn.Module):  # torch's .to() of it: "'function' object has no attribute 'to'"
+            raise not_a_module_error(module, "DataParallel")
         self.output_device = _resolve_output_device(output_device, devices)
         self.src_device_obj = devices[0]
         _check_balance(devices)

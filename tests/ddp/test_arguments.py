@@ -40,3 +40,26 @@ def test_a_bare_cuda_means_the_current_device_and_output_device_is_parsed_too():
     assert device == output == torch.device("cuda", 0)
     with pytest.raises(ValueError, match=r"output_device 'gpu' is not a device name"):
         check_devices(_params("cuda:0"), [0], "gpu")
+
+
+@pytest.mark.parametrize("device_ids, error, shown", [
+    (0, TypeError, "the int 0"), (torch.device("cpu"), TypeError, "the device torch.device('cpu')"),
+    ("cuda:0", ValueError, "the str 'cuda:0'"),  # torch's error read it letter by letter: ['c', 'u', ...]
+])
+def test_a_single_device_id_not_in_a_list_is_named_with_the_list_to_write(device_ids, error, shown):
+    # DDP(model, device_ids=local_rank): torch says "object of type 'int' has no len()"
+    with pytest.raises(error) as info:
+        check_devices(_params("meta"), device_ids, None)
+    assert f"device_ids must be a list of one device, but got {shown}." in str(info.value)
+    assert "HINT: wrap it in a list, device_ids=[" in str(info.value)
+
+
+def test_a_comm_hook_that_cannot_take_state_and_bucket_is_refused_at_registration():
+    # it failed at the first backward with "<lambda>() takes 1 positional argument but 2 were given"
+    from ddpkit.ddp.arguments import check_comm_hook
+    from ddpkit.errors import CommHookError
+
+    with pytest.raises(CommHookError, match=r"comm hook '<lambda>' cannot be called as hook\(state, bucket\)"):
+        check_comm_hook(lambda bucket: bucket.buffer(), rank=1)
+    check_comm_hook(lambda state, bucket, *rest: None, rank=1)  # these can
+    check_comm_hook(lambda *args: None, rank=1)

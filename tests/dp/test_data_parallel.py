@@ -470,3 +470,12 @@ def test_cpu_devices_may_gather_onto_cuda():
 def test_cuda_parameters_with_cpu_first_device_are_named():
     with pytest.raises(RuntimeError, match=r"found parameter '0.weight' on device cuda:0"):
         DataParallel(_mlp("cuda:0"), device_ids=["cpu", "cuda:0"])(torch.randn(4, 5, dtype=torch.float64))
+
+
+def test_something_other_than_a_module_is_named_where_torchs_would_fail_on_it():
+    # torch's: "'function' object has no attribute 'to'"; without devices both call it as it is
+    from ddpkit.errors import NotAModuleError
+
+    with pytest.raises(NotAModuleError, match=r"DataParallel wraps a torch.nn.Module, got function") as info:
+        DataParallel(lambda t: t, device_ids=["cpu"])
+    assert isinstance(info.value, AttributeError)
