@@ -16,6 +16,7 @@ from ddpkit.runtime.hangs.states import (
     first_waiting,
     kind,
     missing_sentence,
+    plural,
     unrecorded,
     waiting_in,
 )
@@ -98,19 +99,11 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
         if waiting is not None:
             ages[line] = max(ages.get(line, 0.0), waiting[0]["age"])
         lines.setdefault(line, []).append(rank)
-    text = [f"  {rank_list(ranks)}: {_plural(line) if len(ranks) > 1 else line}"
+    text = [f"  {rank_list(ranks)}: {plural(line) if len(ranks) > 1 else line}"
             + (f", for {ages[line]:.1f} s" if line in ages else "")
             for line, ranks in sorted(lines.items(), key=lambda kv: min(kv[1]))]
     picture = "\n".join(f"{rank_list(ranks)}: {line}" for line, ranks in sorted(lines.items()))
     return text, picture
-
-
-def _plural(line: str) -> str:
-    """A state line said of several ranks: "wait in", "were in"."""
-    for one, many in (("waits in ", "wait in "), ("was in ", "were in ")):
-        if line.startswith(one):
-            return many + line[len(one):]
-    return line
 
 
 def _divergence(groups_by_rank: dict[int, list[dict]], name: str, waiting_at: set[int]) -> tuple[int, str] | None:

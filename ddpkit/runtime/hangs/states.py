@@ -1,13 +1,13 @@
 """What one rank's published state says: the collective it waits in (one the recorder numbered, one it
-never saw, or a point-to-point call), and why a rank that did not answer is missing. The report
-(``report.py``) puts these together across ranks.
+never saw, or a point-to-point call), why a rank that did not answer is missing, and a state line's
+verb when several ranks share it. The report (``report.py``) puts these together across ranks.
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
-__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence"]
+__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence", "plural"]
 
 
 def first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
@@ -90,3 +90,11 @@ def missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> 
     return (f"rank {rank} ({pid}) did not answer within {answer_seconds:.0f} s, and from another host this "
             "rank cannot tell whether its process lives: it may be in a long call that holds Python's "
             "lock, stuck, or gone")
+
+
+def plural(line: str) -> str:
+    """A state line said of several ranks: "wait in", "were in"."""
+    for one, many in (("waits in ", "wait in "), ("was in ", "were in ")):
+        if line.startswith(one):
+            return many + line[len(one):]
+    return line
