@@ -92,9 +92,17 @@ def _with_caller(frame: FrameType) -> Site:
     if caller.f_code.co_filename != here or here == script or script is None:
         return _site(frame) + (_site(caller),)
     outer = caller.f_back
-    while outer is not None and outer.f_code.co_filename != script:
+    for _ in range(_SCRIPT_SEARCH):  # bounded: where the script is not on this stack (a test runner's
+        if outer is None or outer.f_code.co_filename == script:  # workers), the walk went to its bottom
+            break
         outer = outer.f_back
+    else:
+        outer = None
     return _site(frame) + (_site(caller) + (None if outer is None else _site(outer),),)
+
+
+_SCRIPT_SEARCH = 16
+"""How many frames past a helper module's caller the walk looks for the training script's."""
 
 
 def _main_file() -> str | None:
