@@ -110,12 +110,6 @@ def _main_file() -> str | None:
     return getattr(sys.modules.get("__main__"), "__file__", None)
 
 
-def _user_frame(frame: FrameType | None) -> Site | None:
-    """The innermost user frame from ``frame`` outwards as a ``Site``, without its own caller."""
-    frame = _first_user(frame)
-    return None if frame is None else _site(frame)
-
-
 def thread_site(frame: FrameType | None) -> tuple[Site | None, Site | None]:
     """(the innermost user frame with its caller, the innermost frame) of a thread whose top frame
     is ``frame``: a rank stuck in a helper (``wait_for_file()``) is shown with the line that called it."""
