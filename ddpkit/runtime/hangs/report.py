@@ -84,8 +84,8 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
     ages: dict[str, float] = {}
     for rank, state in answers.items():
         waiting = first_waiting(state)
-        unseen = unrecorded(state)
-        if waiting is None and unseen:
+        unseen = unrecorded(state) if waiting is None else None
+        if unseen:
             line = f"waits in torch.distributed.{unseen}(), which ddpkit does not record; at {_where(state)}"
         elif waiting is None:
             line = f"in no collective; at {_where(state)}"

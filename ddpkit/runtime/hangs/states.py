@@ -51,8 +51,8 @@ def unrecorded(state: dict[str, Any]) -> str | None:
 def blocked_in_p2p(state: dict[str, Any]) -> str | None:
     """"recv" or "send" when the rank's innermost frame is torch's blocking point-to-point call, which
     the recorder does not number (its peer, not its group, must match it)."""
-    found = re.search(r"distributed_c10d\.py:\d+ in (recv|send)\(\)$", state.get("top") or "")
-    return found.group(1) if found else None
+    found = _C10D_CALL.search(state.get("top") or "")
+    return found.group(1) if found and found.group(1) in ("recv", "send") else None
 
 
 def missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:
