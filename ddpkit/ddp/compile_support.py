@@ -28,6 +28,7 @@ Two things make the compiled backward overlap the all-reduces as it does for tor
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -127,10 +128,12 @@ def dynamo_free(fn: _F) -> _F:
     more. For a per-parameter hook, the check inlined in the hook itself saves the extra frame."""
     if HOOK_CALLBACK is None:
         return fn
+    return functools.partial(_run_dynamo_free, fn)  # type: ignore[return-value]
 
-    def run(*args: Any) -> Any:
-        if HOOK_CALLBACK() is None:
-            return fn(*args)
-        return outside_dynamo(fn, *args)
-    return never_compiled(run)  # type: ignore[return-value]
+
+@never_compiled  # once, here: marked per call, each wrapper set its shared code's strategy again
+def _run_dynamo_free(fn: Callable[..., Any], *args: Any) -> Any:
+    if HOOK_CALLBACK() is None:
+        return fn(*args)
+    return outside_dynamo(fn, *args)
 
