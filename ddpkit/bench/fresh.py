@@ -9,6 +9,7 @@ a child starts in a fraction of a second), which rendezvous over a ``FileStore``
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -60,6 +61,9 @@ def in_fresh_processes(fn: Callable[..., Any], *args: Any) -> Any:
 def _child(rank: int, world: int, backend: str, threads: int, path: str, fn: Callable[..., Any],
            args: tuple, sender: Any) -> None:
     torch.set_num_threads(threads)
+    # the objects inherited from the forkserver (torch, torch._dynamo) go to the permanent generation:
+    # the measurement's gc.collect() calls walked all of them (0.3 s each) and wrote to their pages
+    gc.freeze()
     try:
         dist.init_process_group(backend, store=dist.FileStore(path, world), rank=rank, world_size=world)
         sender.send((True, fn(*args)))
