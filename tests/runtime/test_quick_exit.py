@@ -11,10 +11,19 @@ import textwrap
 
 import pytest
 
+import ddpkit.runtime.quick_exit as quick_exit_module
+
 _SCRIPT = textwrap.dedent("""
+    import importlib.util
     import multiprocessing as mp
     import sys
-    from ddpkit.runtime.quick_exit import quick_exit
+
+    # the module's file, not the package: importing ddpkit would import torch here, in the forkserver
+    # and in every child (seconds each), and quick_exit needs none of it
+    spec = importlib.util.spec_from_file_location("quick_exit", QUICK_EXIT_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    quick_exit = module.quick_exit
 
     def child():
         pass
@@ -40,7 +49,7 @@ _SCRIPT = textwrap.dedent("""
 def _run(tmp_path, start: str, end: str) -> list[str]:
     """What the script leaves in its TMPDIR, having started ``start`` and ended by ``end``."""
     script = tmp_path / f"exit_{start}_{end}.py"
-    script.write_text(_SCRIPT)
+    script.write_text(f"QUICK_EXIT_FILE = {quick_exit_module.__file__!r}\n" + _SCRIPT)
     # short: the forkserver's socket path must fit in AF_UNIX's 108 bytes
     tmpdir = pathlib.Path(tempfile.mkdtemp(prefix="qe-"))
     try:
