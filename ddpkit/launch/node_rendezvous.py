@@ -35,7 +35,9 @@ from ddpkit.runtime.job_check import JobRecord, check_member, claim, read_owner,
 __all__ = ["NodeRendezvous"]
 
 _POLL = 0.05
-_FIRST_NOTICE, _NOTICE_EVERY = 15.0, 60.0  # seconds: when a node waiting for the others says so
+# seconds: when a node waiting for the others says so; the first notice comes at half a shorter
+# --rdzv-timeout, so that no wait ends in its error without a word before
+_FIRST_NOTICE, _NOTICE_EVERY = 15.0, 60.0
 _VERBS = {"joined": "join", "arrived": "arrive"}
 _READ_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the job ended
 
@@ -119,11 +121,12 @@ class NodeRendezvous:
         cfg, store = self._config, self._store
         assert store is not None
         start = notice = time.monotonic()
+        first = min(_FIRST_NOTICE, cfg.rdzv_timeout / 2)
         while store.add(counter, 0) < cfg.nnodes:
             self._check_abandoned(abort, deadline, what, verb, marker)
             if self._server is not None:
                 self._intruders = tell_of_intruders(self._server, self._intruders, self._address, say)
-            if time.monotonic() - notice >= (_FIRST_NOTICE if notice == start else _NOTICE_EVERY):
+            if time.monotonic() - notice >= (first if notice == start else _NOTICE_EVERY):
                 notice = time.monotonic()
                 missing = self._arrived(marker)[1]
                 say(f"ddpkit run: waiting for node rank(s) {_ranks(missing)} to {what} at {self._address} "
