@@ -326,14 +326,23 @@ def test_memory_table_in_a_world_of_one_finds_no_bucket_rather_than_failing():
     assert _ddpkit_buckets(SimpleNamespace(reducer=None)) == {}  # world of one: DDP has no reducer
 
 
-def test_big_table_times_both_paths_of_a_cpu_gradient(tmp_path):
+@pytest.fixture(scope="module")
+def on_request_run(tmp_path_factory):
+    """One ``--quick`` run of the two tables given on request only, ``big`` and ``in_place``."""
+    out = tmp_path_factory.mktemp("on_request") / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--tables", "big,in_place",
+                           "--models", "large,small", "--backend", "gloo", "--device", "cpu", "--json", str(out)],
+                          capture_output=True, text=True, timeout=_QUICK_RUN_TIMEOUT - 10)
+    return proc, out
+
+
+@pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
+def test_big_table_times_both_paths_of_a_cpu_gradient(on_request_run):
     """``--tables big`` (on request only): each size trains with every gradient scaled by its own
     hook, with every one copied at the bucket's launch, and with torch's DDP."""
     assert parse_args(["--tables", "6"]).tables == ("big",)
     assert "big" not in parse_args([]).tables
-    out = tmp_path / "big.json"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--tables", "big", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc, out = on_request_run
     assert proc.returncode == 0, proc.stderr
     assert "6. ddpkit DDP: a gradient scaled by its own hook, or at its bucket's launch" in proc.stdout
     rows = json.loads(out.read_text())["big_gradients"]
@@ -355,16 +364,13 @@ def test_the_big_tables_variants_put_every_gradient_on_one_path():
 
 
 @pytest.mark.timeout(_QUICK_RUN_TIMEOUT)
-def test_in_place_table_times_big_gradients_in_place_and_in_buckets(tmp_path):
+def test_in_place_table_times_big_gradients_in_place_and_in_buckets(on_request_run):
     """``--tables in_place`` (on request only): each member with big gradients trains with them in
     place and in buckets, whatever the host's cores, beside torch's DDP; the others are named as
     not run."""
     assert parse_args(["--tables", "7"]).tables == ("in_place",)
     assert "in_place" not in parse_args([]).tables
-    out = tmp_path / "in_place.json"
-    proc = subprocess.run([sys.executable, "-m", "ddpkit", "bench", "--quick", "--tables", "in_place",
-                           "--models", "large,small", "--backend", "gloo", "--device", "cpu", "--json", str(out)],
-                          capture_output=True, text=True, timeout=_QUICK_RUN_TIMEOUT - 10)
+    proc, out = on_request_run
     assert proc.returncode == 0, proc.stderr
     assert "7. ddpkit DDP: big CPU gradients in place, or in buckets" in proc.stdout
     result = json.loads(out.read_text())["in_place"]
