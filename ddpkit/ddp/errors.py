@@ -24,7 +24,7 @@ from ddpkit.errors import (
 
 __all__ = ["not_a_module_error", "no_parameters_error", "warn_create_graph", "late_gradient_warning",
            "no_forward_warning", "warn_at_user_code", "FIND_UNUSED_WITH_STATIC_GRAPH", "second_gradient_error",
-           "static_graph_changed_error", "unused_gradient_error", "parameters_changed_warning",
+           "static_graph_changed_error", "unused_gradient_error", "parameters_changed_warning", "reordered_warning",
            "unfinished_backward_error", "stale_output_error", "late_static_graph_error", "ranks_disagree_error",
            "refused_elsewhere_error"]
 
@@ -186,6 +186,17 @@ def unused_gradient_error(rank: int, everyone: Sequence[tuple[int, list[str]]], 
         f"that {cause}: they received no gradient in this backward pass, so their buckets could not be "
         f"averaged ({mode}): {listed} (this is rank {rank}).", hint, who=_DDP)
     return UnusedParametersError(message, rank=rank, by_rank=by_rank, static_graph=static_graph)
+
+
+def reordered_warning(rank: int, position: int, here: str, there: str, shape: Sequence[int]) -> str:
+    """This rank lists rank 0's tensor names in another order: tensors are matched by position (as in
+    torch, which says nothing), so two different parameters are averaged together."""
+    return explain(
+        f"this rank lists its parameters in another order than rank 0: tensor #{position} is {here!r} here "
+        f"and {there!r} on rank 0 (shape {list(shape)} on both). DDP matches tensors by position, as torch's "
+        f"does, so {here!r} here starts from rank 0's {there!r} and their gradients are averaged together.",
+        "build the model the same way on every rank: a module lists its parameters in the order its "
+        "submodules and parameters were assigned in __init__.", who=_DDP, rank=rank)
 
 
 def parameters_changed_warning(rank: int, changes: Mapping[str, str]) -> str:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ddpkit.ddp.arguments import first_difference
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
-from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error
+from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error, reordered_warning, warn_at_user_code
 from ddpkit.errors import explain
 from ddpkit.runtime import direct
 from ddpkit.runtime.comm import broadcast_object, comm_device
@@ -89,6 +89,18 @@ def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error:
     elif differing < world_size:
         said = broadcast_object(difference, src=dist.get_global_rank(group, differing), group=group)
         raise ranks_disagree_error(rank, differing, said)
+    elif mine is not None and reference is not None:
+        _warn_if_reordered(reference, mine, rank)
+
+
+def _warn_if_reordered(reference: list[tuple], mine: list[tuple], rank: int) -> None:
+    """Names are not compared (a rank may wrap the model in another container), but rank 0's very
+    names in another order mean two parameters of equal shapes averaged together: warned."""
+    names, theirs = [entry[0] for entry in mine], [entry[0] for entry in reference]
+    if names == theirs or sorted(names) != sorted(theirs):
+        return
+    i = next(i for i, (a, b) in enumerate(zip(names, theirs)) if a != b)
+    warn_at_user_code(reordered_warning(rank, i, names[i], theirs[i], mine[i][1]))
 
 
 def _layout(t: torch.Tensor) -> tuple[int | None, ...] | None:

@@ -432,3 +432,45 @@ def test_the_first_rank_that_differs_or_refuses_is_named_on_every_rank():
         kind, text, differing = results[rank]["subgroup"]
         assert (kind, differing) == ("RanksDisagreeError", 1), results[rank]
         assert "rank 0 has 'weight' with shape [4, 3] (float32), rank 1 has 'weight' with shape [4, 4]" in text
+
+
+class _TwoLayers(nn.Module):
+    """Two layers of equal shapes, assigned in the order given: their parameters are listed so."""
+
+    def __init__(self, first: str):
+        super().__init__()
+        for name in (first, "b" if first == "a" else "a"):
+            setattr(self, name, nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _reordered_worker() -> dict[str, list[str]]:
+    """Per case, the warnings each rank gave while wrapping."""
+    rank = dist.get_rank()
+    out = {}
+    for case, build in {
+        # rank 1 assigned its layers in another order: 'b.weight' there is averaged with rank 0's 'a.weight'
+        "reordered": lambda: _TwoLayers("b" if rank == 1 else "a"),
+        "same": lambda: _TwoLayers("a"),
+        # other names altogether (another container): matched by position, as torch's DDP trains it
+        "renamed": lambda: nn.Sequential(nn.Linear(4, 4)) if rank == 1 else nn.Linear(4, 4),
+    }.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddpkit.DDP(build())
+        out[case] = [str(w.message) for w in caught if "another order" in str(w.message)]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_lists_rank_0s_parameters_in_another_order_is_warned():
+    rank_0, rank_1 = run_ranks(_reordered_worker, 2, timeout=45)
+    assert rank_0 == {"reordered": [], "same": [], "renamed": []}
+    assert rank_1["same"] == [] and rank_1["renamed"] == [], rank_1
+    warning, = rank_1["reordered"]
+    assert warning.startswith("DistributedDataParallel on rank 1: this rank lists its parameters in another "
+                              "order than rank 0: tensor #0 is 'b.weight' here and 'a.weight' on rank 0 "
+                              "(shape [4, 4] on both)."), warning
+    assert "HINT: build the model the same way on every rank" in warning
