@@ -60,6 +60,8 @@ def _rank_main(name: str, rank: int, world_size: int, port: int, out: str, env: 
 
         ddpkit.init(backend="gloo", timeout=deadline)
         getattr(scenarios, name)(rank)  # <- scenario
+    except SystemExit as e:  # as Python ends a script on sys.exit(): no traceback, no sys.last_value
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException as e:  # noqa: BLE001 - a script's end: traceback on stderr, exit code 1
         traceback.print_exc()
         sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -206,6 +207,15 @@ def peer_exit_caught(rank: int) -> None:
         print(f"caught on rank {rank}: {type(e).__name__}", flush=True)
     finally:
         print(f"finally ran on rank {rank}", flush=True)
+
+
+def exits_early(rank: int) -> None:
+    """Rank 1 calls sys.exit() after the first all-reduce; rank 0 waits in the second."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if rank == 1:
+        sys.exit(3)  # <- sys-exit
+    dist.all_reduce(t)  # <- exit-waits
 
 
 def leaves_then_lingers(rank: int) -> None:

@@ -224,6 +224,18 @@ def test_a_script_catches_the_error_of_a_collective_whose_peer_exited(tmp_path):
     assert job.seconds < PROMPT
 
 
+def test_a_rank_that_calls_sys_exit_is_named_with_the_line(tmp_path):
+    # Python keeps no trace of the SystemExit that ends a script: the report said "its script ended
+    # or called sys.exit()"
+    job = run_job("exits_early", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [1, 3], job.log()
+    verdict = _verdict(job.logs[0])
+    assert (f"rank 1 has exited without ddpkit.shutdown(): it called sys.exit(3) at {line_of('sys-exit')} in "
+            "exits_early()") in verdict, job.log()
+    assert line_of("exit-waits") in verdict, job.log()
+    assert job.seconds < PROMPT
+
+
 def test_a_rank_that_shut_down_lets_go_of_its_connections_at_once(tmp_path):
     # the recorder held the group through its logs: the peer learnt of the exit only when the
     # process ended (SLOW_SECONDS later)

@@ -192,6 +192,16 @@ def test_a_rank_that_exited_without_shutdown_is_named_with_its_last_collective()
     assert report["certain"] and "join()" not in report["text"]  # not DDP's collective: no word of batches
 
 
+def test_a_rank_that_called_sys_exit_is_named_with_its_line():
+    answers = {0: _state(0, [_item(8)], ranks=2)}
+    final = {"how": "exit", "where": "all_reduce #7 at train.py:48 in step()",
+             "error": "sys.exit(0) at train.py:51 in main()", "groups": []}
+    report = _report(answers, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
+    text = report["text"]
+    assert ("rank 1 has exited without ddpkit.shutdown(): it called sys.exit(0) at train.py:51 in main() while "
+            "other ranks still needed it (its last collective: all_reduce #7 at train.py:48 in step())") in text
+
+
 def test_a_rank_that_exited_while_the_others_wait_in_ddp_hints_at_uneven_batches():
     waiting = {**_item(8), "via": "DDP"}
     answers = {0: _state(0, [waiting], ranks=2)}

@@ -15,6 +15,7 @@ import sys
 import threading
 import uuid
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -59,6 +60,16 @@ class HangWatch:
             self._previous_excepthook = threading.excepthook
             threading.excepthook = self._thread_died
         atexit.register(self._at_exit)
+        self._exit_site: str | None = None
+        self._sys_exit = sys.exit
+        sys.exit = self._exiting
+
+    def _exiting(self, status: object = None) -> NoReturn:
+        """``sys.exit`` while the group lives: note where it was called, for the ranks still waiting
+        on this one (Python keeps no trace of a SystemExit that ends the script), then exit."""
+        if threading.current_thread() is threading.main_thread():
+            self._exit_site = f"sys.exit({status!r}) at {format_site(call_site(2)[0])}"
+        self._sys_exit(status)
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:
         """A thread ended with an uncaught exception: the report names it (a main thread waiting for
@@ -72,6 +83,8 @@ class HangWatch:
     def end(self, how: str = "shutdown", where: str | None = None, error: str | None = None) -> None:
         """Leave the job: the last word first (the others may be waiting for this rank), then unwrap."""
         atexit.unregister(self._at_exit)
+        if sys.exit == self._exiting:
+            sys.exit = self._sys_exit
         try:
             self.inquiry.last_word({"how": how, "where": where or self._last_collective(), "error": error,
                                     "groups": [log.snapshot(0.0) for log in self.recorder.groups()]})
@@ -87,7 +100,7 @@ class HangWatch:
     def _at_exit(self) -> None:
         error = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script
         if error is None:
-            self.end("exit")
+            self.end("exit", error=self._exit_site)
         else:
             # an async collective (DDP's) that failed because a peer went away raised in Work.wait(),
             # past the recorder: ask the others now, before the process ends with Gloo's words only

@@ -65,8 +65,9 @@ def missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> 
             return f"rank {rank} has exited after an uncaught {final['error']} at {final['where']}"
         if final["how"] == "shutdown":
             return f"rank {rank} has left the job: it called ddpkit.shutdown() at {final['where']}"
-        return (f"rank {rank} has exited without ddpkit.shutdown(): its script ended or called sys.exit() "
-                f"while other ranks still needed it (its last collective: {final['where']})")
+        how = f"it called {final['error']}" if final.get("error") else "its script ended or called sys.exit()"
+        return (f"rank {rank} has exited without ddpkit.shutdown(): {how} while other ranks still needed it "
+                f"(its last collective: {final['where']})")
     pid = f"pid {info['pid']} on {info['host']}" if info.get("pid") else "pid unknown"
     if info.get("parent_exited"):  # which died first cannot be told from here
         return (f"rank {rank} ({pid}) has died without a word, and the process that started it (pid "
