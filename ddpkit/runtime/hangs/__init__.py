@@ -51,6 +51,7 @@ class HangWatch:
             self.recorder.before = StrictCheck(main_store, rank)
         self.recorder.failed = self._collective_failed
         self._asked = False  # a failed collective's inquiry has run already
+        self._exit_site: str | None = None  # where the main thread called sys.exit()
 
     def begin(self) -> None:
         self.inquiry.introduce()
@@ -60,7 +61,6 @@ class HangWatch:
             self._previous_excepthook = threading.excepthook
             threading.excepthook = self._thread_died
         atexit.register(self._at_exit)
-        self._exit_site: str | None = None
         self._sys_exit = sys.exit
         sys.exit = self._exiting
 
@@ -68,7 +68,8 @@ class HangWatch:
         """``sys.exit`` while the group lives: note where it was called, for the ranks still waiting
         on this one (Python keeps no trace of a SystemExit that ends the script), then exit."""
         if threading.current_thread() is threading.main_thread():
-            self._exit_site = f"sys.exit({status!r}) at {format_site(call_site(2)[0])}"
+            shown = repr(status) if len(repr(status)) <= 80 else f"{repr(status)[:77]}..."
+            self._exit_site = f"sys.exit({shown}) at {format_site(call_site(2)[0])}"
         self._sys_exit(status)
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:
