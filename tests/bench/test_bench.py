@@ -29,7 +29,7 @@ TABLE_HEADERS = [
 
 
 _QUICK_RUN_TIMEOUT = 330
-"""The fixture's run (40 s on 2 idle cores) counts against whichever of its tests comes first: more
+"""The fixture's run (25-40 s on 2 cores) counts against whichever of its tests comes first: more
 than the suite's 120 s, so a loaded machine does not fail it at setup."""
 
 
