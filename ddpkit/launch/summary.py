@@ -130,8 +130,10 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     tail = traceback_tail(failed.pump.stderr_tail())
     if any(_GLOO_SIZE_MISMATCH in line for line in tail):
         lines.append("likely cause: the ranks passed tensors of different sizes (or dtypes) to one collective, "
-                     "and Gloo aborts the process then; compare what each rank passes at the line below "
-                     "(DDPKIT_CHECK_COLLECTIVES=1 names every rank's shape before the collective runs).")
+                     "or called different ones there (a collective, or 'with model.join():', on some ranks "
+                     "only), and Gloo aborts the process then; compare what each rank calls and passes at the "
+                     "line below (DDPKIT_CHECK_COLLECTIVES=1 names every rank's collective and shape before it "
+                     "runs).")
     if tail:
         lines.append(f"last lines of rank {failed.rank}'s stderr:")
         lines += [f"  {line}" for line in tail]

@@ -354,6 +354,8 @@ def test_a_gloo_abort_shows_the_users_line_that_called_the_collective(job, tmp_p
     summary = err[err.index("the job failed"):]
     assert "killed by SIGABRT" in summary and "Received data size doesn't match" in summary, summary
     assert "likely cause: the ranks passed tensors of different sizes (or dtypes) to one collective" in summary
+    # join() entered on some ranks only ends here too: its count meets the others' gradient buckets
+    assert "or called different ones there (a collective, or 'with model.join():', on some ranks only)" in summary
     line = next(i for i, text in enumerate(Path(WORKER).read_text().splitlines(), 1)
                 if "MISMATCHED ALL_REDUCE" in text)
     assert f'launch_worker.py", line {line} in main' in summary, summary
