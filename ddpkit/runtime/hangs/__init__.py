@@ -68,8 +68,7 @@ class HangWatch:
         """``sys.exit`` while the group lives: note where it was called, for the ranks still waiting
         on this one (Python keeps no trace of a SystemExit that ends the script), then exit."""
         if threading.current_thread() is threading.main_thread():
-            shown = repr(status) if len(repr(status)) <= 80 else f"{repr(status)[:77]}..."
-            self._exit_site = f"sys.exit({shown}) at {format_site(call_site(2)[0])}"
+            self._exit_site = f"sys.exit({status!r:.80}) at {format_site(call_site(2)[0])}"
         self._sys_exit(status)
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:
