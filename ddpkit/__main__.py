@@ -1,5 +1,5 @@
 """``python -m ddpkit ...`` is the ``ddpkit`` command."""
-from ddpkit.cli import main
+from ddpkit.cli import console
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

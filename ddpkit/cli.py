@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "console"]
 
 _USAGE = """usage: ddpkit <command> [args...]
 
@@ -39,6 +40,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"ddpkit: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
     return 2
+
+
+def console() -> NoReturn:
+    """The ``ddpkit`` command and ``python -m ddpkit``: ``main()``, then the exit.
+
+    When ``ddpkit run`` returns, its workers are stopped, their output relayed and its own files
+    removed; a normal exit would then spend most of a second finalizing torch (0.8 s on the 2-core
+    test machine), for objects that die with the process. The launcher ends at once instead, its
+    streams flushed (Note [Launcher start] in docs/design.md).
+    """
+    code = main()
+    if sys.argv[1:2] == ["run"] and "torch" in sys.modules:
+        from ddpkit.runtime.quick_exit import quick_exit
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        quick_exit(code)
+    raise SystemExit(code)
 
 
 def _env(argv: list[str]) -> int:

@@ -14,14 +14,20 @@ import sys
 import time
 from typing import Any, Generic, Iterable, Iterator, TextIO, TypeVar
 
-from ddpkit.runtime.process_group import get_rank
-
 __all__ = ["print", "get_logger", "progress", "Progress", "TERMINAL_VARIABLE"]
 
 TERMINAL_VARIABLE = "DDPKIT_TERMINAL"
 """Set to 1 by ``ddpkit run`` for workers whose stderr it relays to a terminal."""
 
 T = TypeVar("T")
+
+
+def _rank() -> int:
+    """This process's rank, read at each call (``init()`` may come later). Imported here, not with
+    the module: ``ddpkit run`` reads ``TERMINAL_VARIABLE`` before it imports torch."""
+    from ddpkit.runtime.process_group import get_rank
+
+    return get_rank()
 
 
 def print(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:  # noqa: A001 - ddpkit.print by design
@@ -31,7 +37,7 @@ def print(*args: Any, all_ranks: bool = False, **kwargs: Any) -> None:  # noqa: 
     default, because a launcher usually reads a worker's stdout through a pipe, where Python buffers.
     """
     kwargs.setdefault("flush", True)
-    rank = get_rank()
+    rank = _rank()
     if all_ranks:
         builtins.print(f"[rank {rank}]", *args, **kwargs)
     elif rank == 0:
@@ -42,7 +48,7 @@ class _MainProcessFilter(logging.Filter):
     """Drop records on ranks other than 0; the rank is read per record, so init() may come later."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return get_rank() == 0
+        return _rank() == 0
 
 
 def get_logger(name: str = "ddpkit", level: int | str = logging.INFO) -> logging.Logger:
@@ -81,7 +87,7 @@ class Progress(Generic[T]):
         self.interval = interval
         self._width = 0  # of the line on screen
         if disable is None:
-            disable = get_rank() != 0 or not _reaches_a_terminal(self.file)
+            disable = _rank() != 0 or not _reaches_a_terminal(self.file)
         self.disable = disable
 
     def __len__(self) -> int:

@@ -124,3 +124,50 @@ def test_python_dash_m_ddpkit_answers():
     result = subprocess.run([sys.executable, "-m", "ddpkit", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "run" in result.stdout and "bench" in result.stdout
+
+
+def _fresh(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_import_ddpkit_loads_no_torch_and_each_name_loads_its_part_on_first_use():
+    result = _fresh(
+        "import sys, inspect, ddpkit\n"
+        "assert 'torch' not in sys.modules, 'import ddpkit loaded torch'\n"
+        "import ddpkit.parallelize\n"  # the module first: the package's name stays the function
+        "assert inspect.isfunction(ddpkit.parallelize), ddpkit.parallelize\n"
+        "assert set(ddpkit.__all__) <= set(dir(ddpkit))\n"
+        "from ddpkit import DDP, init, HANG_EXIT_CODE, print\n"
+        "assert DDP is ddpkit.DistributedDataParallel and HANG_EXIT_CODE == 86\n"
+        "from ddpkit.runtime import DistEnv, all_reduce, get_rank\n"
+        "assert ddpkit.env.DistEnv is DistEnv and get_rank() == 0\n"
+        "try:\n"
+        "    ddpkit.no_such_name\n"
+        "except AttributeError as e:\n"
+        "    assert 'no_such_name' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n")
+    assert result.returncode == 0, result.stderr
+
+
+def test_ddpkit_runs_modules_load_no_torch_before_its_workers_start():
+    # the launcher of one node imports torch only once its workers started (Note [Launcher start])
+    result = _fresh(
+        "import sys\n"
+        "import ddpkit.cli, ddpkit.launch.cli, ddpkit.launch.supervisor, ddpkit.launch.rendezvous\n"
+        "from ddpkit.launch.config import parse_args\n"
+        "from ddpkit.launch.rendezvous import for_config\n"
+        "for_config(parse_args(['--nproc-per-node', '2', 'train.py']))\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not loaded, loaded\n")
+    assert result.returncode == 0, result.stderr
+
+
+def test_torchs_numpy_warning_is_filtered_for_a_torch_imported_after_ddpkit():
+    # numpy made unimportable: torch then warns "Failed to initialize NumPy" as it loads
+    script = "import sys\nsys.modules['numpy'] = None\n{}\nimport torch\n"
+    plain = _fresh(script.format(""))
+    ours = _fresh(script.format("import ddpkit"))
+    assert plain.returncode == 0 and ours.returncode == 0, (plain.stderr, ours.stderr)
+    assert "Failed to initialize NumPy" in plain.stderr
+    assert "Failed to initialize NumPy" not in ours.stderr, ours.stderr

@@ -18,7 +18,8 @@ those names in torch 2.2 to 2.13 (the stage's from 2.4, where pipelining came), 
 call, so nothing else changes; torch's DDP is neither subclassed nor constructed. A torch whose
 module binds no such name is left alone, with a warning.
 
-Importing torch's modules costs about 0.7 s, so ``import ddpkit`` does not: ``install()`` adapts one
+Importing torch's modules costs about 0.7 s, so ddpkit does not: ``install()`` (run when ``ddpkit.ddp``
+loads, at the first use of ``ddpkit.DDP`` or another of its names) adapts one
 at once if it is imported already, else right after it is imported, through an import hook that
 answers for those module names and passes every other by.
 """
@@ -143,7 +144,7 @@ class _AdaptingLoader:
 
 
 def install() -> None:
-    """Adapt torch's modules now where imported, and whenever they are (re)imported (``import ddpkit``
+    """Adapt torch's modules now where imported, and whenever they are (re)imported (loading ``ddpkit.ddp``
     calls this once; again changes nothing)."""
     if not any(isinstance(f, _AdaptOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AdaptOnImport())

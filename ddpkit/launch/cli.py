@@ -41,10 +41,14 @@ def _quiet_torch_cpp_logs() -> None:
     """Keep c10d's C++ warnings (with their stack traces) out of the launcher's own output.
 
     A lost connection to another node's store is reported by the launcher in one line; c10d would
-    also log it with a C++ stack trace. TORCH_CPP_LOG_LEVEL is read only when torch is loaded, which
-    importing ``ddpkit`` already did, and torch has no Python API for the level, so this sets the
-    flag the variable sets (c10's ``FLAGS_caffe2_log_level``, 3 = FATAL) in this process only.
+    also log it with a C++ stack trace. torch reads TORCH_CPP_LOG_LEVEL as it loads, which the
+    launcher does after it copied the workers' environment: the variable is set for this process only.
+    Where torch is loaded already (``--nproc-per-node gpu`` or ``auto``), this sets the flag the
+    variable sets (c10's ``FLAGS_caffe2_log_level``, 3 = FATAL): torch has no Python API for the level.
     """
+    if "torch" not in sys.modules:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+        return
     import ctypes
     import glob
 

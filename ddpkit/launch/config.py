@@ -14,8 +14,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import torch
-
 from ddpkit.errors import explain
 from ddpkit.launch.scheduler_defaults import job_port, srun_task_per_node
 from ddpkit.launch.torchrun_flags import (
@@ -182,6 +180,8 @@ def resolve_nproc_per_node(value: str) -> int:
         return int(text)
     if text == "cpu":
         return available_cores()
+    if text in ("gpu", "auto"):
+        import torch  # only here: a launcher given a number starts its workers before it imports torch
     if text == "gpu":
         if not torch.cuda.is_available():
             raise ValueError(explain("--nproc-per-node gpu, but torch.cuda.is_available() is False.",

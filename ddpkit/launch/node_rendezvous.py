@@ -28,7 +28,7 @@ from ddpkit.errors import RendezvousError, explain
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import say
 from ddpkit.launch.node_watch import NodeWatch, failure_key, read_key
-from ddpkit.launch.rendezvous import Layout
+from ddpkit.launch.rendezvous import Layout, Rendezvous
 from ddpkit.launch.rendezvous_store import connect, host_node_store, number_this_node, try_hosting
 from ddpkit.runtime.job_check import JobRecord, check_member, claim, read_owner, tell_of_intruders
 
@@ -42,7 +42,7 @@ _VERBS = {"joined": "join", "arrived": "arrive"}
 _READ_WAIT = 5.0  # seconds node 0 waits for the other nodes to read why the job ended
 
 
-class NodeRendezvous:
+class NodeRendezvous(Rendezvous):
     """Several nodes meeting on node 0's TCPStore; the module docstring tells the protocol."""
 
     def __init__(self, config: LaunchConfig):

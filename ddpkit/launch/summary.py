@@ -13,7 +13,7 @@ from ddpkit.launch.workers import Worker
 from ddpkit.runtime.hangs.report import HANDLED as REPORT_HANDLED
 from ddpkit.runtime.hangs.report import HEADER as REPORT_HEADER
 from ddpkit.runtime.hangs.report import RULE as REPORT_RULE
-from ddpkit.runtime.hangs.watchdog import HANG_EXIT_CODE
+from ddpkit.runtime.hangs.settings import HANG_EXIT_CODE
 
 __all__ = ["describe_exit", "failure_summary", "remote_summary", "failure_info", "traceback_tail"]
 

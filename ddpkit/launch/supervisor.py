@@ -19,13 +19,12 @@ import psutil
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import error_file_path, log_path, run_log_dir, say
-from ddpkit.launch.node_rendezvous import NodeRendezvous
-from ddpkit.launch.rendezvous import Layout, LocalRendezvous
+from ddpkit.launch.rendezvous import Layout, for_config
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
 from ddpkit.launch.workers import Placement, Worker, exit_code, kill_leftovers, signal_worker, spawn_worker, worker_env
-from ddpkit.runtime.hangs.watchdog import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE
+from ddpkit.runtime.hangs.settings import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE
 
 __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
 
@@ -64,7 +63,7 @@ class Supervisor:
     def __init__(self, config: LaunchConfig, environ: dict[str, str] | None = None):
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
-        self.rendezvous = NodeRendezvous(config) if config.multi_node else LocalRendezvous(config)
+        self.rendezvous = for_config(config)
         self.stop_signal: signal.Signals | None = None
         self._inbox: SignalInbox | None = None
         self._workers: list[Worker] = []
@@ -117,6 +116,7 @@ class Supervisor:
         outcome = None
         try:
             self.start_workers(attempt, layout, master_addr, master_port)
+            self.rendezvous.serve()  # one node's store opens now: the workers import torch meanwhile
             outcome = self.watch()
             self.tell_other_nodes(attempt, outcome)  # first: they stop theirs while we stop ours
         finally:

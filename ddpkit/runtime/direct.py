@@ -24,7 +24,10 @@ __all__ = ["all_reduce", "broadcast"]
 
 def _torchs(fn: Callable) -> Callable | None:
     """``fn`` if torch.distributed defined it (torch decorates its collectives in ``c10d_logger.py``),
-    else None: a wrapper put in its place before ddpkit was imported is never skipped."""
+    seen through the hang recorder of an ``init()`` that came before this module loaded (``ddpkit``
+    loads its parts on first use); else None: a wrapper put in its place before is never skipped."""
+    if getattr(fn, "__ddpkit_recorder__", None) is not None:
+        fn = fn.__wrapped__
     code = getattr(fn, "__code__", None)
     return fn if code is not None and code.co_filename.startswith(_TORCH_DISTRIBUTED) else None
 

@@ -16,11 +16,12 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Callable
 
 from ddpkit.errors import RendezvousError, explain
+
+if TYPE_CHECKING:  # the stores' type only: ``ddpkit run`` claims its store in a module it loads before torch
+    import torch.distributed as dist
 
 __all__ = ["JobRecord", "OWNER_KEY", "INTRUDER_KEY", "PORT_FIX", "claim", "read_owner", "check_member",
            "new_intruders", "tell_of_intruders"]

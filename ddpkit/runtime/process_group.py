@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from ddpkit.errors import LauncherVariableError, NotInitializedError, explain
-from ddpkit.runtime import hangs
 from ddpkit.runtime.env import DistEnv, detect
 from ddpkit.runtime.environments.threads import thread_share
+from ddpkit.runtime.hangs import session as hangs
 from ddpkit.runtime.init_settings import (
     DEFAULT_TIMEOUT,
     as_timedelta,

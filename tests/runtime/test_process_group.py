@@ -162,9 +162,10 @@ def test_single_process_tracebacks_carry_no_rank_prefix_but_launched_ones_do():
 INIT_WITH_SHORT_TIMEOUT = """
     import time
     import ddpkit
+    init = ddpkit.init  # loads torch and ddpkit's runtime, as a script's own imports do before init()
     start = time.monotonic()
     try:
-        ddpkit.init(backend="gloo", timeout=2)
+        init(backend="gloo", timeout=2)
     except RuntimeError as e:
         print(e)
         print(f"{type(e).__name__} at {e.address} after {e.timeout} s")

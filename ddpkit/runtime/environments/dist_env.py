@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # an annotation only: the launcher reads this module before it imports torch
+    import torch
 
 __all__ = ["DistEnv", "LAUNCHERS", "DEFAULT_MASTER_PORT", "LOOPBACK"]
 

@@ -1,4 +1,5 @@
-"""``stall_timeout`` and ``check_collectives``: from ``init()``'s arguments, else the environment."""
+"""``stall_timeout`` and ``check_collectives``: from ``init()``'s arguments, else the environment; and
+what the launcher and its workers agree on (this module imports no torch: ``ddpkit run`` reads it)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,14 @@ from typing import Mapping
 
 from ddpkit.errors import explain
 
-__all__ = ["HangSettings", "DEFAULT_STALL_TIMEOUT", "read_settings"]
+__all__ = ["HangSettings", "DEFAULT_STALL_TIMEOUT", "read_settings", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE"]
+
+HANG_EXIT_CODE = 86
+"""The exit code of every rank of a job that the watchdog ended in a certain deadlock."""
+
+CONSEQUENCE_FILE_VARIABLE = "DDPKIT_CONSEQUENCE_FILE"
+"""Set by ``ddpkit run``: a file a worker creates when its collective failed because a peer went
+away, so that the launcher's summary leads with the peer's failure, not this consequence of it."""
 
 DEFAULT_STALL_TIMEOUT = 60.0
 """Seconds a collective may wait before the ranks are asked where they are."""

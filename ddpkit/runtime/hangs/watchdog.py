@@ -24,18 +24,12 @@ from ddpkit.runtime.hangs.callsite import describe_error, format_site, handled_e
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Recorder
 from ddpkit.runtime.hangs.report import HANDLED, build_report
+from ddpkit.runtime.hangs.settings import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE
 from ddpkit.runtime.quick_exit import quick_exit
 from ddpkit.runtime.store_client import launcher_hosts_store
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "CONSEQUENCE_FILE_VARIABLE", "ANSWER_SECONDS", "snapshot",
            "peer_gone_error"]
-
-HANG_EXIT_CODE = 86
-"""The exit code of every rank of a job that the watchdog ended in a certain deadlock."""
-
-CONSEQUENCE_FILE_VARIABLE = "DDPKIT_CONSEQUENCE_FILE"
-"""Set by ``ddpkit run``: a file a worker creates when its collective failed because a peer went
-away, so that the launcher's summary leads with the peer's failure, not this consequence of it."""
 
 RAISE_GRACE = 5.0
 """After a certain verdict, how long a collective of this rank may take to raise before the watchdog
