@@ -4,6 +4,7 @@ Each runs on every rank of a job made by ``jobs.run_job`` after ``ddpkit.init(st
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -163,6 +164,15 @@ def strict_other_reduction(rank: int) -> None:
     """Same line, dtype and shape, another reduction: runs fine without strict mode, mixing sum and max."""
     t = torch.ones(3) * (rank + 1)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM)  # <- strict-op
+
+
+def strict_join_on_one_rank(rank: int) -> None:
+    """``with model.join():`` on rank 0 only: its forward all-reduces Join's count of active ranks
+    (one element) where rank 1's backward all-reduces its gradient bucket, from one line."""
+    torch.manual_seed(0)
+    model = ddpkit.DDP(torch.nn.Linear(4, 5))
+    with model.join() if rank == 0 else contextlib.nullcontext():
+        model(torch.ones(2, 4)).sum().backward()  # <- strict-join
 
 
 def strict_agree(rank: int) -> None:

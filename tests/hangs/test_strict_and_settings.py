@@ -49,6 +49,26 @@ def test_strict_mode_names_a_reduction_that_differs_between_ranks():
         assert "HINT: the same call on every rank, with other tensors: all_reduce needs the same shape" in text
 
 
+def _strict_join_on_one_rank():
+    from scenarios import strict_join_on_one_rank
+
+    from ddpkit.errors import CollectiveMismatchError
+    try:
+        strict_join_on_one_rank(ddpkit.get_rank())
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_strict_mode_names_torchs_join_when_one_rank_alone_entered_it():
+    texts = run_ranks(_strict_join_on_one_rank, 2, env={"DDPKIT_CHECK_COLLECTIVES": "1"})
+    site = re.escape(line_of("strict-join"))
+    for text in texts:
+        assert re.search(rf"rank 0: all_reduce float32\[1\] \(issued by torch's Join\) at \S*{site}", text), text
+        assert re.search(rf"rank 1: all_reduce float32\[26\] \(issued by DDP\) at \S*{site}", text), text
+        assert "HINT: a forward inside 'with model.join():' first all-reduces the count of ranks still active" in text
+
+
 def _strict_agree_and_error_facts():
     from scenarios import strict_agree
 

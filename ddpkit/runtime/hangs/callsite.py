@@ -29,9 +29,11 @@ _DDP = os.path.join(os.path.dirname(ddpkit.__file__), "ddp") + os.sep
 _OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ddpkit, torch))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _THIRD_PARTY = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+# torch's Join: the count of ranks still active that each forward inside ``with model.join():`` all-reduces
+_JOIN = os.path.join(os.path.dirname(torch.__file__), "distributed", "algorithms", "join.py")
 # id(code) -> (code, internal, via): the entry holds its code object, so that no other one takes its
-# id; via: "DDP" for ddpkit's DDP, "SyncBatchNorm" for its layer, the function's name elsewhere in
-# ddpkit, else None
+# id; via: "DDP" for ddpkit's DDP, "SyncBatchNorm" for its layer, "torch's Join" for torch's join.py,
+# the function's name elsewhere in ddpkit, else None
 _known: dict[int, tuple[CodeType, bool, str | None]] = {}
 
 
@@ -42,7 +44,8 @@ def _classify(code: CodeType) -> tuple[CodeType, bool, str | None]:
     else:
         internal = name.startswith(_STDLIB) and not any(part in name for part in _THIRD_PARTY)
     via = (("SyncBatchNorm" if os.path.basename(name).startswith("sync_batchnorm") else "DDP")
-           if name.startswith(_DDP) else code.co_name if name.startswith(_OURS[0]) else None)
+           if name.startswith(_DDP) else code.co_name if name.startswith(_OURS[0])
+           else "torch's Join" if name == _JOIN else None)
     entry = _known[id(code)] = (code, internal, via)
     return entry
 
@@ -54,7 +57,8 @@ def _is_internal(code: CodeType) -> bool:
 def call_site(depth: int = 2) -> tuple[Site | None, str | None]:
     """The caller's user frame as a ``Site``, with the user frame that called it, and which of
     ddpkit's functions the user called on the way: ``"DDP"`` when ddpkit's DDP issued it (in
-    backward), ``"SyncBatchNorm"`` when that layer did (also inside a DDP's forward), else e.g.
+    backward), ``"SyncBatchNorm"`` when that layer did (also inside a DDP's forward), ``"torch's
+    Join"`` for the count of ranks still active that a forward inside ``model.join()`` issues, else e.g.
     ``"save"``, or None. The second frame tells apart two calls of one helper
     (``reduce_mean()`` called from two lines), which a report shows as two places."""
     frame: FrameType | None = sys._getframe(depth)

@@ -29,7 +29,7 @@ RULE = "=" * 78
 HEADER = "ddpkit hang report ("
 HANDLED = "ddpkit: this rank was handling the exception below when the deadlock ended it"
 """The line before the traceback a rank prints when a deadlock ends it inside an except: or finally: block."""
-ISSUERS = ("DDP", "SyncBatchNorm")
+ISSUERS = ("DDP", "SyncBatchNorm", "torch's Join")
 """The parts of ddpkit a collective is said to be issued by (``via``); the innermost one on the way wins."""
 
 

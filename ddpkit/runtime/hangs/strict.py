@@ -13,9 +13,19 @@ import torch.distributed as dist
 from ddpkit.errors import CollectiveMismatchError, explain
 from ddpkit.runtime.hangs.callsite import format_site
 from ddpkit.runtime.hangs.recorder import GroupLog, Record
-from ddpkit.runtime.hangs.report import rank_list
+from ddpkit.runtime.hangs.report import ISSUERS, rank_list
 
 __all__ = ["StrictCheck"]
+
+_JOIN_HINT = ("a forward inside 'with model.join():' first all-reduces the count of ranks still active "
+              "(torch's Join), which a rank outside it does not: enter the join context on every rank, "
+              "around the same loop.")
+
+
+def _issuer(signature: str) -> str | None:
+    """Who issued the collective a signature describes, as ``(issued by ...)`` names it."""
+    start = signature.find(" (issued by ")
+    return None if start < 0 else signature[start + 12: signature.index(")", start)]
 
 
 class StrictCheck:
@@ -26,7 +36,8 @@ class StrictCheck:
 
     def __call__(self, log: GroupLog, record: Record) -> None:
         key = f"check/{log.name}/{{}}/{{}}"
-        mine = f"{record.op} {record.what()} at {format_site(record.site)}".replace("  ", " ")
+        issuer = f" (issued by {record.via})" if record.via in ISSUERS else ""
+        mine = f"{record.op} {record.what()}{issuer} at {format_site(record.site)}".replace("  ", " ")
         self.store.set(key.format(record.seq, self.rank), mine)
         keys = [key.format(record.seq, r) for r in log.ranks]
         self.store.wait(keys)
@@ -40,11 +51,11 @@ class StrictCheck:
             ordered = sorted(sides.items(), key=lambda kv: min(kv[1]))
             listed = "; ".join(f"{rank_list(rs)}: {sig}" for sig, rs in ordered)
             where = "the default group" if log.default else f"group {log.ranks}"
-            calls = {(sig.split(" ", 1)[0], sig.rsplit(" at ", 1)[-1]) for sig in sides}
+            calls = {(sig.split(" ", 1)[0], _issuer(sig), sig.rsplit(" at ", 1)[-1]) for sig in sides}
             hint = (f"the same call on every rank, with other tensors: {record.op} needs the same shape and "
                     "dtype on every rank, and the same op (none shown: sum); make them agree, e.g. pad to "
                     "the largest size, or use ddpkit.all_gather, whose first dimensions may differ."
-                    if len(calls) == 1 else
+                    if len(calls) == 1 else _JOIN_HINT if any(_issuer(sig) == "torch's Join" for sig in sides) else
                     "every rank must call the same collectives in the same order, from the same line.")
             raise CollectiveMismatchError(explain(
                 f"the ranks disagree at collective #{record.seq} of {where}: {listed}.", hint,
