@@ -28,19 +28,20 @@ def test_without_strict_mode_the_same_mismatch_passes_silently(tmp_path):
     assert job.codes == [0, 0], job.log()
 
 
-def _strict_other_reduction():
-    from scenarios import strict_other_reduction
+def _mismatch_in(scenario: str) -> str:
+    """What strict mode raises on this rank in ``scenario`` (a function of scenarios.py)."""
+    import scenarios
 
     from ddpkit.errors import CollectiveMismatchError
     try:
-        strict_other_reduction(ddpkit.get_rank())
+        getattr(scenarios, scenario)(ddpkit.get_rank())
     except CollectiveMismatchError as e:
         return str(e)
     return "no error"
 
 
 def test_strict_mode_names_a_reduction_that_differs_between_ranks():
-    texts = run_ranks(_strict_other_reduction, 2, env={"DDPKIT_CHECK_COLLECTIVES": "1"})
+    texts = run_ranks(_mismatch_in, 2, args=("strict_other_reduction",), env={"DDPKIT_CHECK_COLLECTIVES": "1"})
     site = re.escape(line_of("strict-op"))
     for text in texts:
         assert re.search(rf"rank 0: all_reduce float32\[3\] at \S*{site}", text), text
@@ -49,19 +50,8 @@ def test_strict_mode_names_a_reduction_that_differs_between_ranks():
         assert "HINT: the same call on every rank, with other tensors: all_reduce needs the same shape" in text
 
 
-def _strict_join_on_one_rank():
-    from scenarios import strict_join_on_one_rank
-
-    from ddpkit.errors import CollectiveMismatchError
-    try:
-        strict_join_on_one_rank(ddpkit.get_rank())
-    except CollectiveMismatchError as e:
-        return str(e)
-    return "no error"
-
-
 def test_strict_mode_names_torchs_join_when_one_rank_alone_entered_it():
-    texts = run_ranks(_strict_join_on_one_rank, 2, env={"DDPKIT_CHECK_COLLECTIVES": "1"})
+    texts = run_ranks(_mismatch_in, 2, args=("strict_join_on_one_rank",), env={"DDPKIT_CHECK_COLLECTIVES": "1"})
     site = re.escape(line_of("strict-join"))
     for text in texts:
         assert re.search(rf"rank 0: all_reduce float32\[1\] \(issued by torch's Join\) at \S*{site}", text), text
