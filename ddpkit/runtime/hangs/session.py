@@ -17,15 +17,15 @@ from ddpkit.errors import rank_prefix
 from ddpkit.runtime.hangs.callsite import call_site, describe_error, format_site, traceback_site
 from ddpkit.runtime.hangs.inquiry import Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
-from ddpkit.runtime.hangs.settings import DEFAULT_STALL_TIMEOUT, HangSettings, read_settings
-from ddpkit.runtime.hangs.strict import StrictCheck
-from ddpkit.runtime.hangs.watchdog import (
-    ANSWER_SECONDS,
+from ddpkit.runtime.hangs.settings import (
     CONSEQUENCE_FILE_VARIABLE,
+    DEFAULT_STALL_TIMEOUT,
     HANG_EXIT_CODE,
-    Watchdog,
-    peer_gone_error,
+    HangSettings,
+    read_settings,
 )
+from ddpkit.runtime.hangs.strict import StrictCheck
+from ddpkit.runtime.hangs.watchdog import ANSWER_SECONDS, Watchdog, peer_gone_error
 
 __all__ = ["HangWatch", "start", "where_called", "HANG_EXIT_CODE", "DEFAULT_STALL_TIMEOUT", "HangSettings",
            "read_settings"]
