@@ -21,7 +21,7 @@ from ddpkit.runtime.hangs.states import (
     waiting_in,
 )
 
-__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "HANDLED", "ISSUERS"]
+__all__ = ["build_report", "rank_list", "Report", "RULE", "HEADER", "HANDLED", "ISSUERS", "issued_by"]
 
 Report = dict  # {"text": str, "certain": bool, "picture": str, "peer_gone": bool}
 RULE = "=" * 78
@@ -31,6 +31,12 @@ HANDLED = "ddpkit: this rank was handling the exception below when the deadlock 
 """The line before the traceback a rank prints when a deadlock ends it inside an except: or finally: block."""
 ISSUERS = ("DDP", "SyncBatchNorm", "torch's Join")
 """The parts of ddpkit a collective is said to be issued by (``via``); the innermost one on the way wins."""
+
+
+def issued_by(via: str | None) -> str:
+    """`` (issued by DDP)`` for a collective one of ``ISSUERS`` issued, else nothing: as the report
+    and strict mode both name it."""
+    return f" (issued by {via})" if via in ISSUERS else ""
 
 
 def rank_list(ranks: list[int]) -> str:
@@ -57,7 +63,7 @@ def _call(item: dict[str, Any]) -> str:
     """``all_reduce #5 float32[10] at train.py:8 in step()`` (and DDP's, and a failure)."""
     text = f"{_op(item)} {item['what']}".rstrip() + f" at {item['site']}"
     if item.get("via") in ISSUERS:
-        text += f" (issued by {item['via']})"
+        text += issued_by(item["via"])
     elif item.get("via"):
         text += f" (in ddpkit's {item['via']}())"
     if item.get("error"):

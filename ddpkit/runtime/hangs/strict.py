@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ddpkit.errors import CollectiveMismatchError, explain
 from ddpkit.runtime.hangs.callsite import format_site
 from ddpkit.runtime.hangs.recorder import GroupLog, Record
-from ddpkit.runtime.hangs.report import ISSUERS, rank_list
+from ddpkit.runtime.hangs.report import issued_by, rank_list
 
 __all__ = ["StrictCheck"]
 
@@ -36,8 +36,7 @@ class StrictCheck:
 
     def __call__(self, log: GroupLog, record: Record) -> None:
         key = f"check/{log.name}/{{}}/{{}}"
-        issuer = f" (issued by {record.via})" if record.via in ISSUERS else ""
-        mine = f"{record.op} {record.what()}{issuer} at {format_site(record.site)}".replace("  ", " ")
+        mine = f"{record.op} {record.what()}{issued_by(record.via)} at {format_site(record.site)}".replace("  ", " ")
         self.store.set(key.format(record.seq, self.rank), mine)
         keys = [key.format(record.seq, r) for r in log.ranks]
         self.store.wait(keys)
