@@ -1,6 +1,10 @@
 """Worker output: prefixed with the rank, never two ranks inside one line; per-rank files; tails.
 
-Each worker's stdout and stderr are pipes read by one thread each. Complete lines are written to the
+Each worker's stdout and stderr are pipes read by one thread each, or, where both go to one place
+(the launcher's two streams are one terminal or file, and ``--redirects``/``--tee`` treat them
+alike), one pipe for both: the worker's writes then stay in the order it made them, as on torchrun's
+shared terminal, where two pipes read by two threads lost it (the last prints before a crash came
+after its traceback). Complete lines are written to the
 launcher's stream in one locked write, so ``[rank0]: ...`` and ``[rank1]: ...`` never mix inside a
 line. A line still being written is shown too, so progress bars move: when it ends in ``\\r``, when
 the worker wrote nothing more for ``IDLE_FLUSH`` seconds, or once it is ``MAX_PARTIAL`` bytes long.
@@ -8,7 +12,8 @@ Such an open line belongs to its rank until it ends; anyone else who writes firs
 newline, and the rest of it comes later on a line of its own, prefixed again. The last lines of each
 stderr are kept for the failure summary, and with ``--log-dir`` the worker's output also goes,
 unchanged, to ``DIR/<run id>_<random>/attempt_<k>/rank_<r>.log``: a directory per run, as torchrun
-makes, so that a run reusing DIR never mixes its attempts with an earlier run's.
+makes, so that a run reusing DIR never mixes its attempts with an earlier run's. (With two pipes the
+file keeps each stream's order, not the order between them.)
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import threading
 from collections import deque
 from typing import IO, BinaryIO
 
-__all__ = ["OutputPump", "TAIL_LINES", "IDLE_FLUSH", "MAX_PARTIAL", "log_path", "run_log_dir", "say"]
+__all__ = ["OutputPump", "TAIL_LINES", "IDLE_FLUSH", "MAX_PARTIAL", "log_path", "run_log_dir", "say",
+           "one_pipe"]
 
 TAIL_LINES = 200
 IDLE_FLUSH = 0.1  # seconds: a partial line shows once the worker paused this long
@@ -50,6 +56,20 @@ def error_file_path(base: str, attempt: int, rank: int, suffix: str = "error.jso
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)  # left by an earlier job in the same --log-dir: not this worker's error
     return path
+
+
+def one_pipe(shown: tuple[bool, bool]) -> bool:
+    """Whether a worker's stdout and stderr can share one pipe: both are shown on the console or
+    neither is, and where shown, the launcher's stdout and stderr are the same terminal or file."""
+    if shown[0] != shown[1]:
+        return False
+    if not shown[0]:
+        return True
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor
+        return False
+    return (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
 
 
 class _Console:
@@ -117,9 +137,10 @@ def say(text: str) -> None:
 
 
 class OutputPump:
-    """Copy one worker's stdout and stderr to the launcher's, on two daemon threads."""
+    """Copy one worker's stdout and stderr to the launcher's, on two daemon threads; ``stderr`` None:
+    the worker's stderr shares the ``stdout`` pipe, copied on one thread (see ``one_pipe``)."""
 
-    def __init__(self, rank: int, stdout: BinaryIO, stderr: BinaryIO, log_file: str | None = None,
+    def __init__(self, rank: int, stdout: BinaryIO, stderr: BinaryIO | None, log_file: str | None = None,
                  shown: tuple[bool, bool] = (True, True)):
         self.rank = rank
         self._prefix = f"[rank{rank}]: ".encode()
@@ -131,12 +152,13 @@ class OutputPump:
         if log_file is not None:
             os.makedirs(os.path.dirname(log_file), exist_ok=True)
             self._file = open(log_file, "ab")  # noqa: SIM115 - closed by join()
-        self._threads = [
-            threading.Thread(target=self._pump, args=(stdout, sys.stdout if shown[0] else None, False),
-                             name=f"rank{rank}-stdout", daemon=True),
-            threading.Thread(target=self._pump, args=(stderr, sys.stderr if shown[1] else None, True),
-                             name=f"rank{rank}-stderr", daemon=True),
-        ]
+        self.tail_of = "stderr" if stderr is not None else "output"  # what stderr_tail() holds
+        pipes = [(stdout, sys.stdout if shown[0] else None, stderr is None, "stdout")]
+        if stderr is not None:
+            pipes.append((stderr, sys.stderr if shown[1] else None, True, "stderr"))
+        self._threads = [threading.Thread(target=self._pump, args=(pipe, console, keep_tail),
+                                          name=f"rank{rank}-{name}", daemon=True)
+                         for pipe, console, keep_tail, name in pipes]
         for thread in self._threads:
             thread.start()
 
@@ -211,6 +233,7 @@ class OutputPump:
         return done
 
     def stderr_tail(self) -> list[str]:
-        """The last ``TAIL_LINES`` lines the worker wrote to stderr, without the rank prefix."""
+        """The last ``TAIL_LINES`` lines the worker wrote to stderr (to either stream, where they share
+        a pipe: ``tail_of`` says which), without the rank prefix."""
         lines = [*self._tail, self._line.rstrip(b"\r")] if self._line.strip() else list(self._tail)
         return [line.decode(errors="replace") for line in lines]

@@ -134,11 +134,12 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
                      "only), and Gloo aborts the process then; compare what each rank calls and passes at the "
                      "line below (DDPKIT_CHECK_COLLECTIVES=1 names every rank's collective and shape before it "
                      "runs).")
+    source = failed.pump.tail_of
     if tail:
-        lines.append(f"last lines of rank {failed.rank}'s stderr:")
+        lines.append(f"last lines of rank {failed.rank}'s {source}:")
         lines += [f"  {line}" for line in tail]
     else:
-        lines.append(f"rank {failed.rank} wrote nothing to stderr.")
+        lines.append(f"rank {failed.rank} wrote nothing to {source}.")
     if log_file:
         lines.append(f"full output: {log_file}")
     lines.append(_RULE)

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 
 import psutil
 
-from ddpkit.launch.logs import OutputPump
+from ddpkit.launch.logs import OutputPump, one_pipe
 from ddpkit.launch.signals import death_signal_preexec
 from ddpkit.launch.torchrun_flags import HANDLED_SIGNALS
 from ddpkit.logging import TERMINAL_VARIABLE
@@ -101,10 +101,11 @@ def spawn_worker(command: tuple[str, ...], env: dict[str, str], place: Placement
                  log_file: str | None, shown: tuple[bool, bool] = (True, True)) -> Worker:
     """Start one worker with piped output (call from the main thread: see ``death_signal_preexec``);
     ``shown``: whether its stdout and its stderr reach the console (the log file gets both)."""
+    shared = one_pipe(shown)
     try:
         # stdin is inherited, as in torchrun: breakpoint() and input() work in a worker
         process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if shared else subprocess.PIPE,
             start_new_session=True, preexec_fn=death_signal_preexec(),
         )
     except OSError as e:
