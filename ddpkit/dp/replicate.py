@@ -1,13 +1,13 @@
-"""replicate: one module copy per device whose parameters are differentiable views of the original's.
+"""replicate: one module copy per device whose parameters are differentiable copies of the original's.
 
 Gradients from every replica flow back into the original parameters' ``.grad``. As in torch, the replica
-on the first device shares the original's storage, so in-place buffer updates made there (BatchNorm's
-running statistics) are kept; the other replicas get their own copies of the buffers.
+on the first device shares the original's storage, so in-place updates made there (BatchNorm's running
+statistics, nn.Embedding's max_norm) are kept; every other replica gets copies of its own.
 
-Where a device is named more than once (``["cpu", "cpu", "cpu"]`` or ``["cuda:0"] * 4``), the replicas on
-the original's device see the parameters through aliasing views instead of copies: no memory is spent,
-autograd still routes each replica's gradient back, summed in device order as torch's Broadcast sums
-them (``_chained_views``), and autograd forbids in-place writes to them.
+That holds where a device is named more than once (``["cpu", "cpu", "cpu"]`` or ``["cuda:0"] * 4``) too:
+the later replicas on the original's device get copies, not aliases of its storage. Replicas run in
+threads at once, and a forward that writes a parameter in place under no_grad (max_norm's renorm) made
+them write one storage together, which left rows scaled twice or half-written.
 """
 from __future__ import annotations
 
@@ -46,13 +46,10 @@ def _can_use_torch_broadcast(tensors: list[torch.Tensor], devices: list[torch.de
     )
 
 
-def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool, alias: bool) -> torch.Tensor:
-    """One replica's copy of ``t`` without an autograd link: the tensor itself, an alias, or a copy."""
-    same_device = t.device == device
-    if same_device and first:
+def _copy_to(t: torch.Tensor, device: torch.device, *, first: bool) -> torch.Tensor:
+    """One replica's copy of ``t`` without an autograd link: the tensor itself, or a copy."""
+    if first and t.device == device:
         return t  # torch's contract: the first replica shares the original's tensors
-    if same_device and alias:
-        return t.detach()
     return t.detach().to(device, copy=True)
 
 
@@ -67,30 +64,29 @@ def _chained_views(t: torch.Tensor, devices: list[torch.device]) -> list[torch.T
     were added in that order, and ``.grad`` was an ulp off torch's.
     ``expand_as``, not ``view_as``: a view's backward reshapes the gradient, which a sparse one
     (``nn.Embedding(sparse=True)``) refuses; expand's sums it to the same size, which hands it back
-    as it is. In-place writes under no_grad (Embedding's max_norm) work on either.
+    as it is. Only the first device's copy is the view itself, sharing ``t``'s storage; a later
+    replica on ``t``'s device gets a ``clone`` of its view (see the module doc).
     """
     copies = []
     link = t
-    for device in reversed(devices):
+    for j in reversed(range(len(devices))):
         link = link.expand_as(link)
-        copies.append(link if device == t.device else link.to(device))
+        if devices[j] != t.device:
+            copies.append(link.to(devices[j]))
+        else:
+            copies.append(link if j == 0 else link.clone())
     return copies[::-1]
 
 
-def _broadcast(
-    tensors: list[torch.Tensor], devices: list[torch.device], *, detach: bool, alias: bool
-) -> list[list[torch.Tensor]]:
-    """Copies of ``tensors`` for each device: result[j][i] is tensors[i] on devices[j].
-
-    ``alias`` lets same-device, non-differentiable copies share storage (parameters); buffers pass
-    False so that only the first replica's in-place updates reach the original.
-    """
+def _broadcast(tensors: list[torch.Tensor], devices: list[torch.device], *, detach: bool) -> list[list[torch.Tensor]]:
+    """Copies of ``tensors`` for each device: result[j][i] is tensors[i] on devices[j]; only the first
+    replica's may share the original's storage, so only its in-place updates reach the original."""
     if not tensors:
         return [[] for _ in devices]
     if _can_use_torch_broadcast(tensors, devices):
         return _torch_broadcast(tensors, devices, detach)
     per_tensor = [_chained_views(t, devices) if t.requires_grad and not detach else
-                  [_copy_to(t, device, first=j == 0, alias=alias) for j, device in enumerate(devices)]
+                  [_copy_to(t, device, first=j == 0) for j, device in enumerate(devices)]
                   for t in tensors]
     return [list(copies) for copies in zip(*per_tensor)]
 
@@ -142,14 +138,14 @@ def replicate_to(module: M, targets: list[torch.device], detach: bool) -> list[M
         return []
 
     params = list(module.parameters())
-    param_copies = _broadcast(params, targets, detach=detach, alias=True)
+    param_copies = _broadcast(params, targets, detach=detach)
     param_index = {p: i for i, p in enumerate(params)}
 
     # as torch: buffers that need no gradient are always copied without an autograd link
     buffers_rg = [b for b in module.buffers() if b.requires_grad and not detach]
     buffers = buffers_rg + [b for b in module.buffers() if not (b.requires_grad and not detach)]
-    copies_rg = _broadcast(buffers_rg, targets, detach=False, alias=False)
-    copies_not_rg = _broadcast(buffers[len(buffers_rg):], targets, detach=True, alias=False)
+    copies_rg = _broadcast(buffers_rg, targets, detach=False)
+    copies_not_rg = _broadcast(buffers[len(buffers_rg):], targets, detach=True)
     buffer_copies = [a + b for a, b in zip(copies_rg, copies_not_rg)]
     buffer_index = {b: i for i, b in enumerate(buffers)}
 

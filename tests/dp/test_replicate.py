@@ -60,16 +60,33 @@ def test_sparse_gradients_of_all_replicas_accumulate_into_the_original(devices, 
 
 
 def test_a_replica_may_change_its_parameters_in_place_without_grad():
-    # nn.Embedding's max_norm renormalises the looked-up rows of its weight in place, under no_grad
+    # nn.Embedding's max_norm renormalises the looked-up rows of its weight in place, under no_grad;
+    # as in torch, each replica renormalises its own copy and only the first one's reaches the module
     torch.manual_seed(0)
     net = nn.Embedding(10, 3, max_norm=1.0)
     net.weight.data.mul_(5)
-    x = torch.randint(0, 10, (6, 2))
-    reference = copy.deepcopy(net)
-    reference(x).sum().backward()
-    sum(r(c).sum() for r, c in zip(replicate(net, ["cpu"] * 3), x.chunk(3))).backward()
+    x = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [0, 9]])
+    reference, first_only = copy.deepcopy(net), copy.deepcopy(net)
+    expected = reference(x)
+    expected.sum().backward()
+    first_only(x.chunk(3)[0])
+    outputs = [r(c) for r, c in zip(replicate(net, ["cpu"] * 3), x.chunk(3))]
+    torch.cat(outputs).sum().backward()
+    torch.testing.assert_close(torch.cat(outputs), expected)
     torch.testing.assert_close(net.weight.grad, reference.weight.grad)
-    torch.testing.assert_close(net.weight, reference.weight)  # the rows were renormalised once, alike
+    torch.testing.assert_close(net.weight, first_only.weight)
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["grad", "detached"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_only_the_first_replica_on_the_originals_device_shares_its_parameters(detach, frozen):
+    # replicas run in threads at once: an in-place write to a shared storage (max_norm) raced
+    net = _net().requires_grad_(not frozen)
+    replicas = replicate(net, ["cpu"] * 3, detach=detach)
+    pointers = [[p.data_ptr() for p in (r[0].weight, r[3].bias)] for r in replicas]
+    assert pointers[0] == [net[0].weight.data_ptr(), net[3].bias.data_ptr()]
+    assert not set(pointers[0]) & set(pointers[1]) and not set(pointers[1]) & set(pointers[2])
+    torch.testing.assert_close(replicas[2][0].weight, net[0].weight.detach())
 
 
 def test_an_unused_parameter_of_every_replica_keeps_no_gradient():
