@@ -2,7 +2,11 @@
 
 Grad mode, inference mode and autocast are thread-local, so the caller's state is carried into every
 thread (torch carries grad mode and autocast only: a BatchNorm in training mode under
-``torch.inference_mode()`` then fails in its replica threads). An
+``torch.inference_mode()`` then fails in its replica threads). Replicas that share a device share its
+random generator and draw from it in whatever order their threads run; under
+``torch.use_deterministic_algorithms(True)`` they run one after another, in replica order, so that
+dropout gives the same masks from the same seed (replicas on distinct GPUs each have their own
+generator, and run at once). An
 exception raised in a replica comes back to the caller with its original type, a message naming the
 replica and its device, the replica's traceback text, and the original exception chained as the cause.
 """
@@ -133,6 +137,13 @@ def _reraise(index: int, device: torch.device | None, failure: _Failure) -> None
     raise rebuilt from error
 
 
+def _share_a_generator(devices: Sequence[torch.device | None]) -> bool:
+    """Whether two replicas draw from one random generator: the CPU's (also that of a replica whose
+    device is unknown) or one GPU's."""
+    generators = [(d.type, d.index or 0) if d is not None and d.type != "cpu" else ("cpu", 0) for d in devices]
+    return len(set(generators)) < len(generators)
+
+
 def _check_length(name: str, found: int, expected: int) -> None:
     if found != expected:  # torch's words first: its AssertionError says the same
         raise ReplicaCountError(explain(
@@ -186,6 +197,11 @@ def parallel_apply_on(
     ]
     if len(jobs) == 1:
         _run_replica(*jobs[0])
+    elif torch.are_deterministic_algorithms_enabled() and _share_a_generator(devices):
+        for job in jobs:  # each still in a thread of its own, with the same thread-local state
+            thread = threading.Thread(target=_run_replica, args=job)
+            thread.start()
+            thread.join()
     else:
         threads = [threading.Thread(target=_run_replica, args=job) for job in jobs]
         for thread in threads:

@@ -479,3 +479,29 @@ def test_something_other_than_a_module_is_named_where_torchs_would_fail_on_it():
     with pytest.raises(NotAModuleError, match=r"DataParallel wraps a torch.nn.Module, got function") as info:
         DataParallel(lambda t: t, device_ids=["cpu"])
     assert isinstance(info.value, AttributeError)
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("devices", [["cpu"] * 3, pytest.param(["cuda:0"] * 3, marks=needs_cuda)],
+                         ids=["3xcpu", "3xcuda0"])
+def test_dropout_on_a_repeated_device_is_reproducible_in_deterministic_mode(devices, deterministic):
+    # replicas sharing a device share its generator: in deterministic mode they draw in replica order
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Dropout(0.5))]).to(devices[0])
+    x = torch.randn(30, 32, device=devices[0])
+    dp = DataParallel(model, device_ids=devices)
+    outputs = []
+    for _ in range(3):
+        torch.manual_seed(123)
+        outputs.append(dp(x))
+    torch.manual_seed(123)
+    expected = torch.cat([model(chunk) for chunk in x.chunk(3)])
+    for output in outputs:
+        torch.testing.assert_close(output, expected, rtol=0, atol=0)
