@@ -2,13 +2,19 @@
 
 What counts as a container, and how it is rebuilt, is decided here once:
 
-* tuples and lists, rebuilt as ``type(obj)(values)``; namedtuples as ``type(obj)(*values)``;
+* tuples and lists, rebuilt as ``type(obj)(values)`` (a plain tuple or list, as torch's scatter
+  gives, for a subclass whose constructor takes other arguments); namedtuples as
+  ``type(obj)(*values)``;
 * dicts, by value, rebuilt as ``type(obj)(pairs)`` so an OrderedDict stays one;
-* dataclass instances, through their *init* fields, rebuilt with ``dataclasses.replace``. Fields
-  declared ``init=False`` are state the dataclass derives itself (in ``__post_init__``): they are not
-  visited, and a rebuilt copy derives them again from its new init fields. Only a search that
-  rebuilds nothing reads them too, ``tensors(obj, every_field=True)``: torch's DDP looks for output
-  tensors there, and a module may set such a field (an auxiliary head's output) itself.
+* dataclass instances, through their *init* fields, rebuilt with ``dataclasses.replace``. A field
+  declared ``init=False`` that ``__post_init__`` derives is not visited: a rebuilt copy derives it
+  again from its new init fields. One that holds tensors ``__post_init__`` does not give it (an
+  auxiliary head's output, set by the module) is visited too, and set on the rebuilt copy, so that
+  gather does not drop it. A dataclass whose constructor takes other arguments than its init fields
+  (an ``InitVar``, an ``__init__`` of its own) cannot be rebuilt by calling it (``replace`` would
+  apply an InitVar's default again, or fail without one): it is copied, and its fields set, without
+  running ``__post_init__``. A search that rebuilds nothing reads every field,
+  ``tensors(obj, every_field=True)``, as torch's DDP looks for output tensors there.
 
 Anything else (None, numbers, strings, modules, plain objects) is a leaf, as is a tensor. An empty
 container holds nothing to walk: ``split`` hands the same object to every piece, as torch's scatter
@@ -16,7 +22,10 @@ does, and ``map_tensors`` returns it as it is.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -40,8 +49,52 @@ def is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
 
 
-def _init_fields(obj: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(obj) if f.init]
+def _sequence(cls: type, values: list[Any]) -> Any:
+    if cls is tuple or cls is list:
+        return cls(values)
+    try:
+        return cls(values)
+    except TypeError:  # a subclass whose constructor takes other arguments
+        return tuple(values) if issubclass(cls, tuple) else list(values)
+
+
+def _holds_tensor(obj: Any) -> bool:
+    return next(tensors(obj), None) is not None
+
+
+@functools.cache
+def _built_from_init_fields(cls: type, init: tuple[str, ...]) -> bool:
+    """Whether ``cls(**init_fields)`` is its constructor's whole call (no InitVar, no own __init__)."""
+    return set(inspect.signature(cls).parameters) == set(init)
+
+
+def _dataclass_node(obj: Any) -> _Node:
+    """A dataclass's fields to walk, and its rebuild (see the module doc)."""
+    fields = dataclasses.fields(obj)
+    init = [f.name for f in fields if f.init]
+    late = [f.name for f in fields if not f.init and _holds_tensor(getattr(obj, f.name, None))]
+    if not _built_from_init_fields(type(obj), tuple(init)):
+        names = init + late
+
+        def copy_with(values: list[Any]) -> Any:
+            new = copy.copy(obj)
+            for name, value in zip(names, values):
+                object.__setattr__(new, name, value)  # frozen dataclasses too
+            return new
+
+        return _Node(names, [getattr(obj, n) for n in names], copy_with)
+    if late:  # keep only those __post_init__ does not derive
+        derived = dataclasses.replace(obj)
+        late = [n for n in late if not _holds_tensor(getattr(derived, n, None))]
+
+    def replace_with(values: list[Any]) -> Any:
+        new = dataclasses.replace(obj, **dict(zip(init, values)))
+        for name, value in zip(late, values[len(init):]):
+            object.__setattr__(new, name, value)
+        return new
+
+    names = init + late
+    return _Node(names, [getattr(obj, n) for n in names], replace_with)
 
 
 def _node(obj: Any) -> _Node | None:
@@ -51,14 +104,12 @@ def _node(obj: Any) -> _Node | None:
     if is_namedtuple(obj):
         return _Node(None, list(obj), lambda values: type(obj)(*values))
     if isinstance(obj, (tuple, list)):
-        return _Node(None, list(obj), type(obj))
+        return _Node(None, list(obj), functools.partial(_sequence, type(obj)))
     if isinstance(obj, dict):
         keys = list(obj)
         return _Node(keys, [obj[k] for k in keys], lambda values: type(obj)(zip(keys, values)))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = _init_fields(obj)
-        return _Node(names, [getattr(obj, n) for n in names],
-                     lambda values: dataclasses.replace(obj, **dict(zip(names, values))))
+        return _dataclass_node(obj)
     return None
 
 
@@ -157,7 +208,7 @@ def join(fn: Callable[[list[Any]], Any], objs: Sequence[Any], *, what: str = "ob
             found = [sorted(map(str, d)) if isinstance(d, dict) else type(d).__name__ for d in objs]
             raise OutputKeysError(f"all {what} must be dicts with the same keys, but found {found}", found=found)
         columns = [[d[k] for d in objs] for k in node.keys]
-    elif node.keys is not None:  # a dataclass: its init fields, by name
+    elif node.keys is not None:  # a dataclass: the fields its node walks, by name
         columns = [[getattr(o, name) for o in objs] for name in node.keys]
     else:
         nodes = [_node(o) for o in objs]

@@ -145,3 +145,78 @@ class _Fails(nn.Module):
 def test_parallel_apply_takes_the_device_of_a_dataclass_inputs_first_tensor():
     with pytest.raises(RuntimeError, match="replica 0 on device cpu raised RuntimeError: boom"):
         parallel_apply([_Fails()], [(Batch(torch.zeros(2), Pair(None, "t")),)])
+
+
+# ---- dataclasses whose fields are not all their constructor's arguments --------------------------
+@dataclasses.dataclass
+class Scaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float] = 10.0  # applied once, at construction
+
+    def __post_init__(self, scale: float) -> None:
+        self.x = self.x * scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    x: torch.Tensor
+    unit: dataclasses.InitVar[str]
+
+    def __post_init__(self, unit: str) -> None:
+        object.__setattr__(self, "label", unit)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    aux: torch.Tensor | None = dataclasses.field(init=False, default=None)  # set by the module
+
+
+class _WithAux(nn.Module):
+    def forward(self, x):
+        out = Output(x * 2)
+        out.aux = x + 1
+        return out
+
+
+class _ReadsX(nn.Module):
+    def forward(self, batch):
+        return batch.x
+
+
+@pytest.mark.parametrize("make", [lambda x: Scaled(x), lambda x: Needs(x, unit="m")], ids=["default", "required"])
+def test_a_dataclass_with_an_init_var_is_split_without_running_its_constructor_again(make):
+    from ddpkit.dp.data_parallel import DataParallel
+
+    batch = make(torch.arange(6.0).unsqueeze(1))
+    expected = _ReadsX()(batch)
+    pieces = scatter(batch, ["cpu"] * 3)
+    assert all(type(p) is type(batch) for p in pieces)
+    torch.testing.assert_close(torch.cat([p.x for p in pieces]), expected)
+    torch.testing.assert_close(DataParallel(_ReadsX(), ["cpu"] * 3)(batch), expected)
+
+
+def test_a_field_the_module_sets_outside_the_constructor_is_gathered_and_scattered():
+    from ddpkit.dp.data_parallel import DataParallel
+
+    x = torch.arange(6.0).unsqueeze(1)
+    out = DataParallel(_WithAux(), ["cpu"] * 3)(x)
+    expected = _WithAux()(x)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.aux, expected.aux)
+    pieces = scatter(expected, ["cpu"] * 2)
+    torch.testing.assert_close(pieces[1].aux, expected.aux[3:])
+    assert [id(t) for t in tensors(expected)] == [id(expected.logits), id(expected.aux)]
+
+
+class Span(tuple):
+    """A tuple subclass whose constructor takes two arguments, not an iterable."""
+
+    def __new__(cls, start, end):
+        return super().__new__(cls, (start, end))
+
+
+def test_a_sequence_subclass_that_cannot_be_rebuilt_from_its_values_comes_back_as_torchs_plain_one():
+    pieces = scatter(Span(torch.arange(4), torch.arange(4, 8)), ["cpu"] * 2)
+    assert [type(p) for p in pieces] == [tuple, tuple]
+    assert [p[1].tolist() for p in pieces] == [[4, 5], [6, 7]]
