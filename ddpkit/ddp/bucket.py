@@ -79,6 +79,12 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return t.stride()
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class GradBucketBasics:
     """What every bucket shows a comm hook as torch's ``GradBucket`` does, whatever it holds."""
 
@@ -244,8 +250,33 @@ class Bucket(GradBucketBasics):
         return [self.params[pos] for pos in self._given_order]
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like it, in ``parameters()``'s order."""
-        return [self.views[pos] for pos in self._given_order]
+        """Views of ``buffer()``, one per parameter, shaped like it, in ``parameters()``'s order: of
+        the buffer a hook set with ``set_buffer`` too, as torch's (``fp16_compress_wrapper`` around
+        PowerSGD hands it half-precision gradients this way)."""
+        views = self.views if self._buffer is self._hook_data else self._views_of(self._buffer)
+        return [views[pos] for pos in self._given_order]
+
+    def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's piece of a buffer laid out as this bucket's (a complex gradient's as its
+        real pairs, where the buffer holds twice the elements)."""
+        pairs = buffer.dim() == 1 and self.grad_data.is_complex() and buffer.numel() == 2 * self.numel
+        if not pairs and (buffer.dim() != 1 or buffer.numel() != self.numel):
+            raise CommHookError(explain(
+                f"bucket.gradients() of bucket {self._index}: the buffer given to set_buffer() has shape "
+                f"{list(buffer.shape)}, but the bucket's gradients are {self.numel} elements in one dimension.",
+                "set a buffer of the same size as bucket.buffer(), such as a copy of it in another dtype."),
+                rank=_global_rank(), hook="set_buffer")
+        views, offset = [], 0
+        for p in self.params:
+            n = p.numel()
+            if pairs:
+                views.append(buffer.narrow(0, 2 * offset, 2 * n).view(*p.shape, 2))
+            else:
+                piece = buffer.narrow(0, offset, n)
+                views.append(piece.as_strided(p.shape, _dense_strides(p), piece.storage_offset())
+                             if piece.is_contiguous() else piece.view(p.shape))
+            offset += n
+        return views
 
     def list_in(self, order: Sequence[int]) -> None:
         """List ``parameters()`` and ``gradients()`` in ``order`` (this bucket's parameter indices,

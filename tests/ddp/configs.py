@@ -112,6 +112,8 @@ CONFIGS: tuple[Config, ...] = (
     Config("fp16_hook", hook="fp16_compress_hook", tolerance=2e-3),
     Config("bf16_hook", hook="bf16_compress_hook", tolerance=2e-2),
     Config("fp16_wrapper_of_allreduce_hook", hook="fp16_wrapped_allreduce", model="wide", steps=3),
+    # gradients() are views of the buffer a hook set, as torch's: writes through them are reduced
+    Config("gradients_of_a_set_buffer_hook", hook="gradients_of_set_buffer", model="wide", steps=3),
     # a hook acting on whole buckets: torch's layout before and after the rebuild, small first bucket
     Config("bucket_norm_hook", hook="bucket_norm", model="wide", steps=3),
     Config("bucket_norm_hook_tiny_buckets", hook="bucket_norm", kwargs={"bucket_cap_mb": 0.0003}),

@@ -233,11 +233,24 @@ def _bucket_norm_hook(state, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0] / world)
 
 
+def _gradients_of_set_buffer_hook(state, bucket):
+    """Swaps in a copy of the buffer, then doubles the gradients through ``gradients()``."""
+    import torch.distributed as dist
+
+    bucket.set_buffer(bucket.buffer().clone())
+    for gradient in bucket.gradients():
+        gradient.mul_(2)
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
 def _hook(kind: str, name: str):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if name == "bucket_norm":
         return _bucket_norm_hook
+    if name == "gradients_of_set_buffer":
+        return _gradients_of_set_buffer_hook
 
     if name == "fp16_wrapped_allreduce":  # torch's wrapper swaps in a half buffer (set_buffer)
         return default_hooks.fp16_compress_wrapper(_hook(kind, "allreduce_hook"))

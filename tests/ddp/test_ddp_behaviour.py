@@ -395,7 +395,8 @@ def test_overlap_full_batch_equivalence_and_no_torch_ddp_inside():
         assert out["hook_diff"] < 1e-6
 
 
-def _powersgd_worker() -> dict[str, list[torch.Tensor]]:
+def _powersgd_worker(fp16_wrapped: bool) -> dict[str, list[torch.Tensor]]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     grads = {}
@@ -405,7 +406,9 @@ def _powersgd_worker() -> dict[str, list[torch.Tensor]]:
                                 nn.Linear(100, 20), nn.Tanh(), nn.Linear(20, 3)))
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=2, min_compression_rate=0.5)
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        # torch's docstring example: PowerSGD on the half-precision buffer the wrapper sets
+        hook = default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook) if fp16_wrapped else powersgd.powerSGD_hook
+        ddp.register_comm_hook(state, hook)
         data = torch.Generator().manual_seed(torch.distributed.get_rank())
         for _ in range(6):
             ddp(torch.randn(5, 6, generator=data)).square().mean().backward()
@@ -467,11 +470,13 @@ def test_a_hook_issuing_collectives_from_its_callbacks_keeps_every_rank_in_step(
 
 
 @pytest.mark.timeout(90)
-def test_torchs_powersgd_hook_trains_like_torch():
-    pytest.importorskip("numpy", reason="torch's PowerSGD hook imports numpy")
+@pytest.mark.parametrize("fp16_wrapped", [False, True], ids=["plain", "fp16_wrapped"])
+def test_torchs_powersgd_hook_trains_like_torch(fp16_wrapped):
     """PowerSGD all-reduces from its futures' callbacks (ddpkit's own collective must wait for
-    them), and compresses the bucket's tensors in the order torch lists them."""
-    for grads in run_ranks(_powersgd_worker, 2, timeout=60):
+    them), and compresses the bucket's tensors in the order torch lists them; wrapped, it takes
+    bucket.gradients() of the half-precision buffer the wrapper set."""
+    pytest.importorskip("numpy", reason="torch's PowerSGD hook imports numpy")
+    for grads in run_ranks(_powersgd_worker, 2, args=(fp16_wrapped,), timeout=60):
         for mine, ref in zip(grads["ddpkit"], grads["torch"]):
             torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-4)
 

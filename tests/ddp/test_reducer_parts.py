@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from ddpkit.ddp.bucket import BIG_PARAM_NUMEL, Bucket
 from ddpkit.ddp.bucket_groups import initial_groups
 from ddpkit.ddp.bucket_layout import BucketLayout
 from ddpkit.ddp.iteration import Iteration, Phase
 from ddpkit.ddp.usage import ParameterUsage
+from ddpkit.errors import CommHookError
 
 
 def _params(*sizes: int) -> list[torch.nn.Parameter]:
@@ -351,3 +353,28 @@ def test_a_used_map_reduced_on_another_device_is_copied_back_into_the_ranks_own(
     _CopiedBack(SimpleNamespace(wait=lambda: waited.append(True)), reduced, local).wait()
     # a joined rank sends its last *reduced* map again (Note [Join shadowing])
     assert waited == [True] and local.tolist() == [2, 1, 0]
+
+
+def test_gradients_are_views_of_the_buffer_a_hook_set_shaped_like_each_parameter():
+    params = [nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(4)),
+              nn.Parameter(torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last))]
+    bucket = Bucket(0, params, [0, 1, 2], is_last=True)
+    half = torch.arange(bucket.numel, dtype=torch.float16)
+    bucket.set_buffer(half)
+    gradients = bucket.gradients()
+    assert [g.shape for g in gradients] == [p.shape for p in params]
+    assert all(g.dtype == torch.float16 and g.untyped_storage().data_ptr() == half.data_ptr() for g in gradients)
+    assert gradients[1].tolist() == [6.0, 7.0, 8.0, 9.0]
+    assert gradients[2].is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(CommHookError, match=r"set_buffer\(\) has shape \[3\], but the bucket's gradients are 34"):
+        bucket.set_buffer(torch.zeros(3))
+        bucket.gradients()
+    bucket.restore_buffer()
+    assert bucket.gradients()[0].dtype == torch.float32
+
+
+def test_a_complex_parameters_gradients_of_a_set_buffer_are_its_real_pairs():
+    bucket = Bucket(0, [nn.Parameter(torch.randn(3, dtype=torch.cfloat))], [0], is_last=True)
+    assert bucket.gradients()[0].dtype == torch.cfloat
+    bucket.set_buffer(torch.arange(6.0))
+    assert bucket.gradients()[0].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
