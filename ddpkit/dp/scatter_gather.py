@@ -178,9 +178,11 @@ def _gather_tensors(outputs: Sequence[torch.Tensor], target: torch.device, dim: 
     shapes = [tuple(t.shape) for t in outputs]
     for replica, t in enumerate(outputs):
         _check_dim(t, dim, "gather", replica, shapes)
-    # .to and cat are both differentiable, so backward splits the gradient back to every replica
+    # .to and cat are both differentiable, so backward splits the gradient back to every replica;
+    # in the first output's dtype, as torch's gather copies every output into a tensor like it
+    dtype = outputs[0].dtype
     try:
-        return torch.cat([t.to(target) for t in outputs], dim)
+        return torch.cat([t.to(target, dtype) for t in outputs], dim)
     except RuntimeError as e:  # torch's words, then whose outputs
         raise RuntimeError(explain(
             f"{str(e).rstrip('.')}: cannot gather along dim={dim} the replicas' outputs of shapes "

@@ -228,6 +228,11 @@ def test_gather_along_dim_1():
     torch.testing.assert_close(gather(parts, "cpu", dim=1), torch.cat(parts, 1))
 
 
+def test_gather_gives_the_first_outputs_dtype_as_torchs_copy_into_a_tensor_like_it_does():
+    gathered = gather([torch.tensor([1, 2]), torch.tensor([0.5])], "cpu")
+    assert gathered.dtype == torch.int64 and gathered.tolist() == [1, 2, 0]
+
+
 def test_gather_rejects_dicts_with_different_keys():
     with pytest.raises(ValueError, match="same keys"):
         gather([{"a": torch.zeros(1)}, {"b": torch.zeros(1)}], "cpu")
