@@ -295,9 +295,10 @@ def test_launch_scripts_name_the_variable_that_is_wrong(name, variables, message
     assert result.returncode == 2 and f"launch/{name}: {message}" in result.stderr, result.stderr
 
 
-def test_multi_node_script_refuses_an_unnamed_run():
+@pytest.mark.parametrize("name", ["multi_node.sh", "torchrun.sh"])
+def test_multi_node_scripts_refuse_an_unnamed_run(name):
     # two unnamed runs on one node 0 and port cannot be told apart: one would take the other's nodes
-    path = Path(__file__).resolve().parents[2] / "launch" / "multi_node.sh"
+    path = Path(__file__).resolve().parents[2] / "launch" / name
     env = {"PATH": "/usr/bin:/bin", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "NPROC": "1"}
     result = subprocess.run(["bash", str(path), "train.py"], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode != 0 and "set JOB_ID to the name of this run" in result.stderr, result.stderr
