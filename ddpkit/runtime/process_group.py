@@ -223,7 +223,9 @@ def is_main_process() -> bool:
 
 def planned_env(environ: Mapping[str, str]) -> DistEnv:
     """The DistEnv ``init()`` would return in this environment (backend and device included), without
-    joining anything: what ``ddpkit env`` prints."""
+    joining anything: what ``ddpkit env`` prints. Raises the ValueError ``init()`` would raise for a
+    variable, ``DDPKIT_STALL_TIMEOUT`` and ``DDPKIT_CHECK_COLLECTIVES`` included."""
+    hangs.read_settings(None, None, environ)
     return _plan(environ, None)[0]
 
 
@@ -236,16 +238,6 @@ def _plan(environ: Mapping[str, str], backend: str | None) -> tuple[DistEnv, str
                               "DDPKIT_BACKEND" if from_environment else "backend")
     device = choose_device(backend, env)
     return env.replace(backend=None if env.launcher == "single" else backend, device=device), backend
-
-
-
-
-
-
-
-
-
-
 
 
 def _take_share_of_cores(env: DistEnv) -> None:

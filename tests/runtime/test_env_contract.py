@@ -116,6 +116,12 @@ def test_ddpkit_env_prints_the_layout_or_one_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("DDPKIT_BACKEND", "mpi-nonsense")
     assert main(["env"]) == 1
     assert "mpi-nonsense" in capsys.readouterr().err
+    monkeypatch.delenv("DDPKIT_BACKEND")
+    for name, value in (("DDPKIT_STALL_TIMEOUT", "abc"), ("DDPKIT_CHECK_COLLECTIVES", "maybe")):
+        monkeypatch.setenv(name, value)  # what init() refuses, env refuses too
+        assert main(["env"]) == 1
+        assert f"{name}='{value}' is not" in capsys.readouterr().err
+        monkeypatch.delenv(name)
 
 
 def test_second_init_refuses_a_different_backend_or_settings_and_a_dead_group_is_rebuilt(monkeypatch):
