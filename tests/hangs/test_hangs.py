@@ -197,6 +197,7 @@ def test_ddpkit_run_summary_carries_the_report(tmp_path):
     assert f"exit code {HANG_EXIT_CODE}: ddpkit found a certain deadlock" in summary
     assert f"hang_demo.py:{line} in <module>" in summary and "(issued by DDP)" in summary
     assert "the ranks disagree at #" in summary
+    assert "ddpkit.save is a collective (rank 0 writes, the others wait): if rank 0 alone calls it" in summary
 
 
 def test_a_peer_that_exits_during_ddp_training_is_named_on_the_survivor(tmp_path):

@@ -243,13 +243,22 @@ def test_an_unrecorded_collective_that_may_match_or_a_busy_rank_is_not_certain(o
     assert "which ddpkit does not record" in report["text"] and not report["certain"]
 
 
-def test_ddps_all_reduce_against_another_collective_hints_at_uneven_batches():
+def test_ddps_all_reduce_against_another_collective_hints_at_a_call_on_some_ranks_and_uneven_batches():
     answers = {0: _state(0, [_item(30, op="broadcast", what="int64[1] from rank 0", site="train.py:40 in save()")],
                          ranks=2),
                1: _state(1, [{**_item(30), "via": "DDP"}], ranks=2)}
     text = _report(answers)["text"]
-    assert ("if the data of rank 0 ran out first (ranks with different numbers of batches), train under "
-            "'with model.join():' or give every rank as many batches") in text
+    assert ("if rank 0 alone calls that one (under 'if rank == 0:', say), call it on every rank. If the data of "
+            "rank 0 ran out first (ranks with different numbers of batches), train under 'with model.join():' or "
+            "give every rank as many batches") in text
+
+
+def test_ddpkit_save_on_some_ranks_against_ddps_all_reduce_says_save_is_a_collective():
+    save = _item(9, op="broadcast", what="int64[1] from rank 0", site="train.py:27 in <module>")
+    answers = {0: _state(0, [{**save, "via": "save"}], ranks=3), 1: _state(1, [{**_item(9), "via": "DDP"}], ranks=3),
+               2: _state(2, [{**save, "via": "save"}], ranks=3)}
+    assert ("ddpkit.save is a collective (rank 0 writes, the others wait): if ranks 0, 2 alone call it (under "
+            "'if rank == 0:', say), call it on every rank.") in _report(answers)["text"]
 
 
 @pytest.mark.parametrize("first", [1, 40])

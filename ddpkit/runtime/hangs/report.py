@@ -185,11 +185,15 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
                               for sig, rs in sorted(signatures.items(), key=lambda kv: min(kv[1])))
             sentences.append(f"the ranks disagree at {at}{where}: {sides}.")
             ddp = [r for r in waiters if items[r].get("via") == "DDP"]
-            if ddp and len(ddp) < len(waiters):  # uneven data looks like this too: the short ranks moved on
-                short = [r for r in waiters if r not in ddp]
-                sentences.append(f"if the data of {rank_list(short)} ran out first (ranks with different numbers "
-                                 "of batches), train under 'with model.join():' or give every rank as many "
-                                 "batches (DistributedSampler(..., drop_last=True)).")
+            if ddp and len(ddp) < len(waiters):  # the others moved on to a collective the rest never reach
+                short = rank_list([r for r in waiters if r not in ddp])
+                call = "calls" if short.startswith("rank ") else "call"  # "rank 0" or "ranks 0, 2"
+                lead = (f"ddpkit.save is a collective (rank 0 writes, the others wait): if {short} alone {call} it"
+                        if any(items[r].get("via") == "save" for r in waiters) else f"if {short} alone {call} that one")
+                sentences.append(f"{lead} (under 'if rank == 0:', say), call it on every rank. If the data of {short} "
+                                 "ran out first (ranks with different numbers of batches), train under 'with "
+                                 "model.join():' or give every rank as many batches (DistributedSampler(..., "
+                                 "drop_last=True)).")
             if not absent and not [r for r in group["ranks"] if r in missing]:
                 certain = True
         elif not absent and not [r for r in group["ranks"] if r in missing]:
