@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
 
     devices = _parse_devices(args.devices)
+    if not torch.cuda.is_available() and any(isinstance(d, int) or str(d).startswith("cuda") for d in devices):
+        parser.error(f"--devices {args.devices} names GPUs, but CUDA is not available here: "
+                     f"name CPU devices instead, e.g. --devices {','.join(['cpu'] * len(devices))}")
     device = torch.device(f"cuda:{devices[0]}" if isinstance(devices[0], int) else devices[0]) if devices else (
         torch.device("cpu")
     )

@@ -428,13 +428,25 @@ def test_imbalanced_gpus_give_torchs_warning(monkeypatch):
         dp_module._check_balance([torch.device("cuda", 0), torch.device("cuda", 1)])
 
 
-def test_the_tutorial_prints_the_chunk_sizes_torch_prints(capsys):
+def _tutorial():
     spec = importlib.util.spec_from_file_location(
         "data_parallel_tutorial", Path(__file__).parents[2] / "examples" / "data_parallel_tutorial.py"
     )
     tutorial = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tutorial)
-    tutorial.main(["--devices", "cpu,cpu,cpu"])
+    return tutorial
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_tutorial_asked_for_gpus_without_cuda_names_the_cpu_devices_to_use(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _tutorial().main(["--devices", "0,1"])
+    assert exit_info.value.code == 2
+    assert "--devices 0,1 names GPUs, but CUDA is not available here" in capsys.readouterr().err
+
+
+def test_the_tutorial_prints_the_chunk_sizes_torch_prints(capsys):
+    _tutorial().main(["--devices", "cpu,cpu,cpu"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "Let's use 3 devices!"
     inside = Counter(line for line in lines if line.startswith("\tIn Model"))
