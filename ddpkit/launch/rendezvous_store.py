@@ -39,8 +39,8 @@ def host_node_store(cfg: LaunchConfig, error: Callable[[str], RendezvousError]) 
             f"node 0 cannot host the rendezvous on port {cfg.master_port}: {e}. Another process "
             f"holds it{describe_holder(cfg.master_port)}: another job, or another node of this run "
             "started with --node-rank 0 too.",
-            f"if that is this run's, give every node its own --node-rank; else {PORT_FIX}: give this "
-            "run another --master-port, or start it under srun/mpirun, which derive one per job.")) from e
+            f"if that is this run's, give every node its own --node-rank; else {PORT_FIX}, or start it "
+            "under srun/mpirun, which derive one per job.")) from e
 
 
 def try_hosting(cfg: LaunchConfig) -> dist.TCPStore | None:

@@ -28,7 +28,7 @@ __all__ = ["JobRecord", "OWNER_KEY", "INTRUDER_KEY", "PORT_FIX", "claim", "read_
 
 OWNER_KEY = "ddpkit/job"
 INTRUDER_KEY = "ddpkit/intruders"
-PORT_FIX = "set MASTER_PORT, or let ddpkit derive it"
+PORT_FIX = "give each job its own port (MASTER_PORT, or the --master-port of ddpkit run and torchrun)"
 _POLL = 0.01
 
 
@@ -117,19 +117,22 @@ def check_member(store: dist.Store, me: JobRecord, owner: JobRecord, address: st
 
 
 def new_intruders(store: dist.Store, seen: int) -> tuple[int, list[JobRecord]]:
-    """Strangers refused since the first ``seen``: the new count, and their records."""
+    """Strangers refused since the first ``seen`` that nobody has told of yet: the new count, and
+    their records. Each is handed out once: a multi-node launcher and its rank 0 read one store."""
     records = []
     for number in range(seen + 1, store.add(INTRUDER_KEY, 0) + 1):
         key = f"{INTRUDER_KEY}/{number}"
         if not store.check([key]):  # written a moment after the count: read it next time
             return number - 1, records
-        records.append(JobRecord.from_json(store.get(key)))
+        if store.add(f"{key}/told", 1) == 1:
+            records.append(JobRecord.from_json(store.get(key)))
         seen = number
     return seen, records
 
 
 def tell_of_intruders(store: dist.Store, seen: int, address: str, tell: Callable[[str], None]) -> int:
-    """The owner's side: ``tell`` one line per stranger refused since ``seen``; returns the new count."""
+    """The owner's side: ``tell`` one line per stranger refused since ``seen`` (that no other reader
+    of the store told of); returns the new count."""
     seen, strangers = new_intruders(store, seen)
     for stranger in strangers:
         tell(explain(f"ddpkit: {stranger.describe()} reached this job's rendezvous at {address} and was "

@@ -122,8 +122,7 @@ def _host(env: DistEnv, address: str, environ: Mapping[str, str], deadline: floa
             f"rank 0 cannot host the rendezvous: port {env.master_port} on {socket.gethostname()} is "
             f"already in use ({chosen}). Another process, probably another job, holds it"
             f"{describe_holder(env.master_port)}.",
-            f"{PORT_FIX}: give each job its own MASTER_PORT, or unset it under srun/mpirun, where "
-            "ddpkit derives a port per job."),
+            f"{PORT_FIX}, or unset MASTER_PORT under srun/mpirun, where ddpkit derives a port per job."),
             address=address, timeout=None) from e
 
 

@@ -120,3 +120,20 @@ def test_salloc_shell_asking_for_several_tasks_is_refused_not_run_as_one_process
 def test_salloc_shell_with_one_task_or_a_launcher_inside_is_no_refusal(extra):
     env = detect({**SALLOC, **extra})
     assert env.world_size == (1 if extra.get("SLURM_NTASKS") == "1" else 2)
+
+
+def test_a_refused_stranger_is_told_of_once_by_whichever_reader_of_the_store_comes_first():
+    # a multi-node launcher and its rank 0 worker both read node 0's store
+    import torch.distributed as dist
+
+    from ddpkit.errors import RendezvousError
+    from ddpkit.runtime.job_check import JobRecord, check_member, tell_of_intruders
+
+    store = dist.HashStore()
+    stranger, owner = JobRecord("run:b", 2, "node 1's ddpkit run", "h", 7), JobRecord("run:a", 2, "rank 0", "h", 1)
+    with pytest.raises(RendezvousError):
+        check_member(store, stranger, owner, "h:29500")
+    launcher, rank0 = [], []
+    assert tell_of_intruders(store, 0, "h:29500", launcher.append) == 1
+    assert tell_of_intruders(store, 0, "h:29500", rank0.append) == 1
+    assert len(launcher) == 1 and "job run:b (node 1's ddpkit run" in launcher[0] and rank0 == []

@@ -49,7 +49,7 @@ def test_a_rank_of_another_job_is_refused_at_once_and_the_owner_is_told():
         assert f"the rendezvous at 127.0.0.1:{port} (port {port}) belongs to another job: job user:train-a " \
                "(rank 0, pid" in err
         assert "This is job user:train-b (rank 2, pid" in err
-        assert "HINT: two jobs share the port: set MASTER_PORT, or let ddpkit derive it" in err
+        assert "HINT: two jobs share the port: give each job its own port (MASTER_PORT, or the --master-port" in err
         owners.append(_rank(2, 3, port, "train-a"))
         results = [_wait_for(p, 60) for p in owners]
     finally:
@@ -100,4 +100,4 @@ def test_a_port_already_in_use_is_reported_at_once_naming_its_holder():
     assert seconds < 15, err  # not after the 30 s rendezvous timeout
     assert f"rank 0 cannot host the rendezvous: port {port} on {socket.gethostname()} is already in use " \
            "(MASTER_PORT is set). Another process, probably another job, holds it: pid " in err, err
-    assert "HINT: set MASTER_PORT, or let ddpkit derive it" in err
+    assert "HINT: give each job its own port (MASTER_PORT, or the --master-port" in err
