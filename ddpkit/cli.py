@@ -13,7 +13,7 @@ commands:
   bench   collective bandwidth and DDP step time, ddpkit vs torch, on this machine
   env     print what ddpkit detects from this process's environment
 
-'ddpkit <command> --help' describes each command."""
+'ddpkit <command> --help' describes each command; 'ddpkit --version' prints the version."""
 
 
 def main(argv: list[str] | None = None) -> int:
