@@ -62,10 +62,11 @@ def ranks(n: int) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary units, as message sizes are usually written: 4 KiB, 256 MiB."""
+    """Binary units, as message sizes are usually written: 4 KiB, 256 MiB, 1.5 GiB (one decimal,
+    left out where it is 0, so that 781.02 KiB and 781 KiB read alike in one column)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+            return f"{n:.1f}".removesuffix(".0") + f" {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -180,6 +180,7 @@ def test_statistics_and_formatting():
     s = summarize([5.0, 1.0, 3.0])
     assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 3.0, 5.0, 3)
     assert fmt_bytes(4096) == "4 KiB" and fmt_bytes(256 << 20) == "256 MiB"
+    assert fmt_bytes(781.02 * 1024) == "781 KiB" and fmt_bytes(1.5 * 2**30) == "1.5 GiB"
     table = Table("T", ["a", "b"])
     table.add("x", "1.5")
     assert table.render().splitlines()[2].split() == ["a", "b"]
