@@ -63,6 +63,14 @@ def different_op(rank: int) -> None:
         dist.broadcast(t, src=0)  # <- op-1
 
 
+def both_receive_first(rank: int) -> None:
+    """A pipeline's exchange written the wrong way round: both ranks receive before they send."""
+    buffer = torch.zeros(4)
+    dist.all_reduce(buffer)
+    dist.recv(buffer, src=1 - rank)  # <- recv
+    dist.send(torch.ones(4), dst=1 - rank)
+
+
 def different_shapes(rank: int) -> None:
     dist.all_reduce(torch.ones(10 if rank == 0 else 20))  # <- shapes
 

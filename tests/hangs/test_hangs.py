@@ -75,6 +75,16 @@ def test_calls_through_one_helper_are_told_apart_by_the_line_that_called_it(tmp_
             f"rank 1 all_reduce float32[4] at {helper} {line_of('helper-next')}") in verdict
 
 
+def test_ranks_that_all_wait_in_recv_are_reported_and_end(tmp_path):
+    # waiting in no collective, they once opened no inquiry: the job hung without a word
+    job = run_job("both_receive_first", 2, tmp_path, stall_timeout=STALL)
+    assert HANG_EXIT_CODE in job.codes and set(job.codes) <= {HANG_EXIT_CODE, 1}, job.log()
+    verdict = _verdict(job.logs[0])
+    assert f"ranks 0, 1 wait in recv() at {line_of('recv')} in both_receive_first()" in verdict
+    assert "a point-to-point call, and so does every other rank: no rank is left to send." in verdict
+    assert job.seconds < PROMPT
+
+
 def test_different_op_is_a_certain_deadlock(tmp_path):
     job = run_job("different_op", 2, tmp_path, stall_timeout=STALL)
     assert job.codes == [HANG_EXIT_CODE] * 2, job.log()

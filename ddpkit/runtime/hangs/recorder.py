@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ddpkit.runtime.hangs.callsite import Site, call_site, format_site
+from ddpkit.runtime.hangs.p2p import PointToPointWaits
 
 __all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "INSTALLED"]
 
@@ -144,6 +145,7 @@ class Recorder:
         self._inside = threading.local()
         self._originals: dict[str, Callable] = {}
         self._wrappers: dict[str, Callable] = {}
+        self.p2p = PointToPointWaits()  # recv and send: timed for the watchdog, not numbered
 
     # ---- installing -------------------------------------------------------------------------------
     def install(self) -> None:
@@ -159,10 +161,12 @@ class Recorder:
             setattr(c10d, op, wrapper)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapper)
+        self.p2p.install(self)
         if self not in INSTALLED:
             INSTALLED.append(self)
 
     def uninstall(self) -> None:
+        self.p2p.uninstall(self)
         for op, original in self._originals.items():
             for module in (c10d, dist):
                 if getattr(getattr(module, op, None), "__ddpkit_recorder__", None) is self:
@@ -285,6 +289,12 @@ class Recorder:
     def latest_failed(self) -> Record | None:
         failed = [r for log in self.groups() for r in list(log.ring) if r.error is not None]
         return max(failed, key=lambda r: r.start) if failed else None
+
+    def waiting_since(self) -> float | None:
+        """When the oldest outstanding collective, or blocking recv/send, began; None: none runs."""
+        oldest = self.oldest_outstanding()
+        starts = [t for t in (None if oldest is None else oldest.start, self.p2p.oldest()) if t is not None]
+        return min(starts, default=None)
 
     def oldest_outstanding(self) -> Record | None:
         oldest = None

@@ -224,10 +224,11 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
     if receiving and len(receiving) == len(busy) and not can_complete and not perhaps_busy:
         # a rank in send may be in the middle of a long transfer; one in recv waits for a rank that
         # is itself waiting in a collective or a recv, so nothing will ever be sent
-        one = len(receiving) == 1
+        one, others = len(receiving) == 1, ("every other rank waits in a collective or a recv"
+                                            if len(receiving) < len(answers) else "so does every other rank")
         sentences.append(f"{rank_list(receiving)} wait{'s' if one else ''} in recv() at "
-                         f"{_where(answers[receiving[0]])}, a point-to-point call, and every other rank "
-                         "waits in a collective or a recv: no rank is left to send.")
+                         f"{_where(answers[receiving[0]])}, a point-to-point call, and {others}: no rank is "
+                         "left to send.")
         certain = True
     certain = _judge_unrecorded(answers, busy, sentences, can_complete or bool(perhaps_busy)) or certain
     return sentences, certain

@@ -135,9 +135,9 @@ class Watchdog(threading.Thread):
             self._take_part(self.inquiry.open(self._answered))
 
     def _stalled(self) -> bool:
-        oldest = self.recorder.oldest_outstanding()
+        since = self.recorder.waiting_since()  # a collective's start, or a blocking recv's or send's
         now = time.monotonic()
-        return (oldest is not None and now - oldest.start >= self.stall_timeout
+        return (since is not None and now - since >= self.stall_timeout
                 and now - self._last_inquiry >= self.stall_timeout)
 
     def _take_part(self, n: int) -> None:
