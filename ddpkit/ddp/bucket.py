@@ -260,22 +260,19 @@ class Bucket(GradBucketBasics):
         """Each parameter's piece of a buffer laid out as this bucket's (a complex gradient's as its
         real pairs, where the buffer holds twice the elements)."""
         pairs = buffer.dim() == 1 and self.grad_data.is_complex() and buffer.numel() == 2 * self.numel
-        if not pairs and (buffer.dim() != 1 or buffer.numel() != self.numel):
+        if not buffer.is_contiguous() or (not pairs and (buffer.dim() != 1 or buffer.numel() != self.numel)):
             raise CommHookError(explain(
                 f"bucket.gradients() of bucket {self._index}: the buffer given to set_buffer() has shape "
-                f"{list(buffer.shape)}, but the bucket's gradients are {self.numel} elements in one dimension.",
-                "set a buffer of the same size as bucket.buffer(), such as a copy of it in another dtype."),
-                rank=_global_rank(), hook="set_buffer")
-        views, offset = [], 0
+                f"{list(buffer.shape)} and strides {list(buffer.stride())}, but the bucket's gradients are "
+                f"{self.numel} contiguous elements in one dimension.", "set a buffer of the same size as "
+                "bucket.buffer(), such as a copy of it in another dtype."), rank=_global_rank(), hook="set_buffer")
+        views, offset, width = [], 0, 2 if pairs else 1
         for p in self.params:
-            n = p.numel()
-            if pairs:
-                views.append(buffer.narrow(0, 2 * offset, 2 * n).view(*p.shape, 2))
-            else:
-                piece = buffer.narrow(0, offset, n)
-                views.append(piece.as_strided(p.shape, _dense_strides(p), piece.storage_offset())
-                             if piece.is_contiguous() else piece.view(p.shape))
-            offset += n
+            # laid out as the bucket's own views are (a channels_last weight keeps its layout)
+            strides = tuple(width * s for s in _dense_strides(p)) + ((1,) if pairs else ())
+            views.append(buffer.as_strided((*p.shape, 2) if pairs else p.shape, strides,
+                                           buffer.storage_offset() + width * offset))
+            offset += p.numel()
         return views
 
     def list_in(self, order: Sequence[int]) -> None:

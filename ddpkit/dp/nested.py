@@ -10,10 +10,12 @@ What counts as a container, and how it is rebuilt, is decided here once:
   declared ``init=False`` that ``__post_init__`` derives is not visited: a rebuilt copy derives it
   again from its new init fields. One that holds tensors ``__post_init__`` does not give it (an
   auxiliary head's output, set by the module) is visited too, and set on the rebuilt copy, so that
-  gather does not drop it. A dataclass whose constructor takes other arguments than its init fields
-  (an ``InitVar``, an ``__init__`` of its own) cannot be rebuilt by calling it (``replace`` would
-  apply an InitVar's default again, or fail without one): it is copied, and its fields set, without
-  running ``__post_init__``. A search that rebuilds nothing reads every field,
+  gather does not drop it; which fields ``__post_init__`` derives is found once per class. A
+  dataclass whose constructor takes other arguments than its init fields (an ``InitVar``, an
+  ``__init__`` of its own) cannot be rebuilt by calling it (``replace`` would apply an InitVar's
+  default again, or fail without one): it is copied, and its fields set, without running
+  ``__post_init__``, so its ``init=False`` fields that hold tensors are split and joined as the
+  others are (a 0-dim one cannot be split). A search that rebuilds nothing reads every field,
   ``tensors(obj, every_field=True)``, as torch's DDP looks for output tensors there.
 
 Anything else (None, numbers, strings, modules, plain objects) is a leaf, as is a tensor. An empty
@@ -26,6 +28,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -68,13 +71,28 @@ def _built_from_init_fields(cls: type, init: tuple[str, ...]) -> bool:
     return set(inspect.signature(cls).parameters) == set(init)
 
 
+_DERIVED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _derived_fields(obj: Any, fields: Sequence[dataclasses.Field]) -> frozenset[str]:
+    """The ``init=False`` fields of ``obj``'s class that its construction gives a tensor, found once
+    per class by constructing one (``__post_init__`` runs then, and not on every walk). A field with
+    a ``default_factory`` counts as state with a default, which a module may set."""
+    cls = type(obj)
+    if cls not in _DERIVED:
+        probe = dataclasses.replace(obj)
+        _DERIVED[cls] = frozenset(f.name for f in fields if not f.init and f.default_factory is dataclasses.MISSING
+                                  and _holds_tensor(getattr(probe, f.name, None)))
+    return _DERIVED[cls]
+
+
 def _dataclass_node(obj: Any) -> _Node:
     """A dataclass's fields to walk, and its rebuild (see the module doc)."""
     fields = dataclasses.fields(obj)
     init = [f.name for f in fields if f.init]
     late = [f.name for f in fields if not f.init and _holds_tensor(getattr(obj, f.name, None))]
     if not _built_from_init_fields(type(obj), tuple(init)):
-        names = init + late
+        names = init + late  # without __post_init__, nothing is derived again: every tensor is split
 
         def copy_with(values: list[Any]) -> Any:
             new = copy.copy(obj)
@@ -83,9 +101,9 @@ def _dataclass_node(obj: Any) -> _Node:
             return new
 
         return _Node(names, [getattr(obj, n) for n in names], copy_with)
-    if late:  # keep only those __post_init__ does not derive
-        derived = dataclasses.replace(obj)
-        late = [n for n in late if not _holds_tensor(getattr(derived, n, None))]
+    if late:
+        derived = _derived_fields(obj, fields)
+        late = [n for n in late if n not in derived]
 
     def replace_with(values: list[Any]) -> Any:
         new = dataclasses.replace(obj, **dict(zip(init, values)))
@@ -114,8 +132,9 @@ def _node(obj: Any) -> _Node | None:
 
 
 def tensors(obj: Any, *, every_field: bool = False) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj``, depth first, in the order of the containers' values; with
-    ``every_field``, a dataclass's non-init fields too (those not set yet are skipped)."""
+    """Every tensor in ``obj``, depth first, in the order of the containers' values: of a dataclass,
+    those the walk visits (see the module doc); with ``every_field``, those of every field (the
+    unset ones skipped)."""
     if isinstance(obj, torch.Tensor):
         yield obj
         return

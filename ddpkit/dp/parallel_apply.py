@@ -6,9 +6,9 @@ thread (torch carries grad mode and autocast only: a BatchNorm in training mode 
 random generator and draw from it in whatever order their threads run; under
 ``torch.use_deterministic_algorithms(True)`` they run one after another, in replica order, so that
 dropout gives the same masks from the same seed (replicas on distinct GPUs each have their own
-generator, and run at once). An
-exception raised in a replica comes back to the caller with its original type, a message naming the
-replica and its device, the replica's traceback text, and the original exception chained as the cause.
+generator, and run at once). An exception raised in a replica comes back to the caller with its
+original type, a message naming the replica and its device, the replica's traceback text, and the
+original exception chained as the cause.
 """
 from __future__ import annotations
 

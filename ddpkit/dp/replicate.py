@@ -1,4 +1,5 @@
-"""replicate: one module copy per device whose parameters are differentiable copies of the original's.
+"""replicate: one module copy per device whose parameters are copies of the original's (differentiable
+unless ``detach``).
 
 Gradients from every replica flow back into the original parameters' ``.grad``. As in torch, the replica
 on the first device shares the original's storage, so in-place updates made there (BatchNorm's running

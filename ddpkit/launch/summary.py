@@ -139,7 +139,8 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
         lines.append(f"last lines of rank {failed.rank}'s {source}:")
         lines += [f"  {line}" for line in tail]
     else:
-        lines.append(f"rank {failed.rank} wrote nothing to {source}.")
+        lines.append(f"rank {failed.rank} wrote nothing to stderr." if source == "stderr"
+                     else f"rank {failed.rank} wrote no output.")
     if log_file:
         lines.append(f"full output: {log_file}")
     lines.append(_RULE)

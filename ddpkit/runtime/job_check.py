@@ -112,8 +112,8 @@ def check_member(store: dist.Store, me: JobRecord, owner: JobRecord, address: st
         f"the rendezvous at {address} (port {address.rpartition(':')[2]}) belongs to {what}: "
         f"{owner.describe()}. This is {me.describe()}, so it was refused and joins no process group; "
         "rank 0 of the other job is told while it waits for its ranks.",
-        f"two jobs share the port: {PORT_FIX} (under srun and mpirun ddpkit derives a port per job; "
-        "see 'Ports and job identity' in docs/schedulers.md)."), address=address, timeout=None)
+        f"two jobs share the port: {PORT_FIX}. Under srun and mpirun ddpkit derives a port per job "
+        "(see 'Ports and job identity' in docs/schedulers.md)."), address=address, timeout=None)
 
 
 def new_intruders(store: dist.Store, seen: int) -> tuple[int, list[JobRecord]]:

@@ -366,7 +366,7 @@ def test_gradients_are_views_of_the_buffer_a_hook_set_shaped_like_each_parameter
     assert all(g.dtype == torch.float16 and g.untyped_storage().data_ptr() == half.data_ptr() for g in gradients)
     assert gradients[1].tolist() == [6.0, 7.0, 8.0, 9.0]
     assert gradients[2].is_contiguous(memory_format=torch.channels_last)
-    with pytest.raises(CommHookError, match=r"set_buffer\(\) has shape \[3\], but the bucket's gradients are 34"):
+    with pytest.raises(CommHookError, match=r"has shape \[3\] and strides \[1\], but the bucket.s gradients are 34"):
         bucket.set_buffer(torch.zeros(3))
         bucket.gradients()
     bucket.restore_buffer()
@@ -378,3 +378,16 @@ def test_a_complex_parameters_gradients_of_a_set_buffer_are_its_real_pairs():
     assert bucket.gradients()[0].dtype == torch.cfloat
     bucket.set_buffer(torch.arange(6.0))
     assert bucket.gradients()[0].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_the_views_of_a_set_buffer_keep_a_channels_last_layout_for_complex_gradients_too():
+    weight = nn.Parameter(torch.randn(2, 3, 2, 2, dtype=torch.cfloat).to(memory_format=torch.channels_last))
+    bucket = Bucket(0, [nn.Parameter(torch.randn(3, dtype=torch.cfloat)), weight], [0, 1], is_last=True)
+    own = [torch.view_as_real(v) for v in bucket.gradients()]
+    bucket.grad_data.copy_(torch.randn(bucket.numel, dtype=torch.cfloat))
+    bucket.set_buffer(bucket.buffer().clone())
+    for mine, theirs in zip(bucket.gradients(), own):
+        assert torch.equal(mine, theirs) and mine.stride() == theirs.stride()
+    with pytest.raises(CommHookError, match=r"strides \[2\]"):
+        bucket.set_buffer(torch.zeros(2 * bucket.buffer().numel())[::2])
+        bucket.gradients()

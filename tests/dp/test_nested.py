@@ -220,3 +220,26 @@ def test_a_sequence_subclass_that_cannot_be_rebuilt_from_its_values_comes_back_a
     pieces = scatter(Span(torch.arange(4), torch.arange(4, 8)), ["cpu"] * 2)
     assert [type(p) for p in pieces] == [tuple, tuple]
     assert [p[1].tolist() for p in pieces] == [[4, 5], [6, 7]]
+
+
+def test_which_fields_post_init_derives_is_found_once_per_class_not_on_every_walk():
+    calls = []
+
+    @dataclasses.dataclass
+    class Counted:
+        x: torch.Tensor
+        total: torch.Tensor = dataclasses.field(init=False)  # derived
+        aux: torch.Tensor | None = dataclasses.field(init=False, default=None)  # set by a module
+
+        def __post_init__(self) -> None:
+            calls.append(1)
+            self.total = self.x.sum()
+
+    value = Counted(torch.arange(4.0))
+    value.aux = torch.arange(4.0) * 10
+    before = len(calls)
+    for _ in range(5):
+        assert [id(t) for t in tensors(value)] == [id(value.x), id(value.aux)]
+    assert len(calls) - before == 1
+    pieces = split(lambda t: t.chunk(2), value, 2)
+    assert [p.total.item() for p in pieces] == [1.0, 5.0] and [p.aux.tolist() for p in pieces] == [[0, 10], [20, 30]]
