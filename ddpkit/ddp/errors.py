@@ -248,6 +248,18 @@ def ranks_disagree_error(rank: int, differing_rank: int, difference: str) -> Ran
     return RanksDisagreeError(message, rank=rank, differing_rank=differing_rank, difference=difference)
 
 
+def out_of_step_error(rank: int, received: object) -> RanksDisagreeError:
+    """What rank 0 broadcast where its list of parameters was expected is something else: the ranks
+    had called different collectives before this construction."""
+    got = f"{type(received).__name__} {received!r:.80}"
+    message = explain(
+        f"{_DDP} on rank {rank} expected rank 0's list of parameters and buffers, but received {got}: the "
+        "ranks called different collectives before this construction, so each call met another.",
+        "call every collective on every rank, in the same order (a broadcast_object or other collective "
+        "under 'if rank == 0:' before the model is wrapped is the usual cause).")
+    return RanksDisagreeError(message, rank=rank, differing_rank=0, difference=f"rank 0 sent {got}")
+
+
 def refused_elsewhere_error(rank: int, differing_rank: int, error: str) -> RanksDisagreeError:
     """Rank ``differing_rank`` refused its own arguments (``error``, as ``"Type: message"``): this rank
     cannot build the DistributedDataParallel without it."""

@@ -11,7 +11,13 @@ from torch import nn
 
 from ddpkit.ddp.arguments import first_difference
 from ddpkit.ddp.autograd_engine import preserving_autograd_versions
-from ddpkit.ddp.errors import ranks_disagree_error, refused_elsewhere_error, reordered_warning, warn_at_user_code
+from ddpkit.ddp.errors import (
+    out_of_step_error,
+    ranks_disagree_error,
+    refused_elsewhere_error,
+    reordered_warning,
+    warn_at_user_code,
+)
 from ddpkit.errors import explain
 from ddpkit.runtime import direct
 from ddpkit.runtime.comm import broadcast_object, comm_device
@@ -76,6 +82,9 @@ def verify_same_tensors(states: Iterable[tuple[str, torch.Tensor]], local_error:
          _layout(t) if isinstance(t, nn.Parameter) else None)
         for n, t in states]
     reference = broadcast_object(mine, src=dist.get_global_rank(group, 0), group=group)
+    if reference is not None and not (isinstance(reference, list) and all(
+            isinstance(entry, tuple) and len(entry) == 5 for entry in reference)):
+        raise out_of_step_error(rank, reference)  # another collective's object: nothing to compare
     difference = None if mine is None or reference is None else first_difference(reference, mine, rank)
     first = torch.tensor([world_size if local_error is None else rank, world_size if difference is None else rank],
                          dtype=torch.int64, device=comm_device(group))

@@ -154,6 +154,23 @@ def test_a_parameter_strided_otherwise_on_one_rank_is_refused_on_every_rank():
                 "[27, 1, 9, 3]") in text
 
 
+def _object_collective_on_rank_0_only_worker() -> None:
+    config = {"hidden": 16}
+    if dist.get_rank() == 0:
+        config = ddpkit.broadcast_object(config)  # the bug: rank 0 alone calls it
+    ddpkit.DDP(nn.Linear(8, config["hidden"]))
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_called_on_rank_0_alone_before_the_construction_is_named_not_an_unpacking_error():
+    # rank 1 received rank 0's config where rank 0's parameter list was due: "not enough values to unpack"
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_object_collective_on_rank_0_only_worker, 2, timeout=45)
+    said = info.value.failures[1]
+    assert ("RanksDisagreeError: DistributedDataParallel on rank 1 expected rank 0's list of parameters and "
+            "buffers, but received dict {'hidden': 16}: the ranks called different collectives") in said
+
+
 @pytest.mark.timeout(60)
 def test_strides_of_size_one_dimensions_place_nothing_and_pass():
     # a one-channel weight is laid out alike either way, though torch compares the raw strides
