@@ -202,14 +202,23 @@ def test_a_rank_that_called_sys_exit_is_named_with_its_line():
             "other ranks still needed it (its last collective: all_reduce #7 at train.py:48 in step())") in text
 
 
-def test_a_rank_that_exited_while_the_others_wait_in_ddp_hints_at_uneven_batches():
+@pytest.mark.parametrize("how", ["exit", "shutdown"])
+def test_a_rank_that_left_while_the_others_wait_in_ddp_hints_at_uneven_batches(how):
     waiting = {**_item(8), "via": "DDP"}
     answers = {0: _state(0, [waiting], ranks=2)}
-    final = {"how": "exit", "where": "all_reduce #7 at train.py:48 in step()", "error": None, "groups": []}
+    final = {"how": how, "where": "all_reduce #7 at train.py:48 in step()", "error": None, "groups": []}
     report = _report(answers, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
     assert ("rank 0 waits in all_reduce #8 (train.py:88 in step()): if rank 1's data ran out first (ranks with "
             "different numbers of batches), train under 'with model.join():' or give every rank as many batches "
             "(DistributedSampler(..., drop_last=True)).") in report["text"]
+
+
+def test_a_rank_that_left_while_rank_0_saves_says_save_is_a_collective():
+    saving = {**_item(8, op="broadcast", what="int64[1] from rank 0", site="train.py:60 in <module>"), "via": "save"}
+    final = {"how": "exit", "where": "all_reduce #7 at train.py:48 in step()", "error": None, "groups": []}
+    report = _report({0: _state(0, [saving], ranks=2)}, {1: {"pid": 101, "host": "h", "final": final, "exited": True}})
+    assert ("rank 0 waits in broadcast #8 (train.py:60 in <module>): ddpkit.save is a collective (rank 0 writes, the "
+            "others wait): call it on every rank, not under 'if rank == 0:'.") in report["text"]
 
 
 def test_a_rank_in_a_collective_called_through_an_early_reference_is_named_and_the_deadlock_certain():

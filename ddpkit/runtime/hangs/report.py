@@ -13,10 +13,12 @@ from typing import Any
 
 from ddpkit.runtime.hangs.states import (
     blocked_in_p2p,
+    divergence,
     first_waiting,
     kind,
     missing_sentence,
     plural,
+    rank_list,
     unrecorded,
     waiting_in,
 )
@@ -33,22 +35,16 @@ ISSUERS = ("DDP", "SyncBatchNorm", "torch's Join")
 """The parts of ddpkit a collective is said to be issued by (``via``); the innermost one on the way wins."""
 
 
+# the hints for a rank whose data ran out first, and for ddpkit.save called on some ranks only
+_UNEVEN = ("data ran out first (ranks with different numbers of batches), train under 'with model.join():' or "
+           "give every rank as many batches (DistributedSampler(..., drop_last=True))")
+_SAVE = "ddpkit.save is a collective (rank 0 writes, the others wait):"
+
+
 def issued_by(via: str | None) -> str:
     """`` (issued by DDP)`` for a collective one of ``ISSUERS`` issued, else nothing: as the report
     and strict mode both name it."""
     return f" (issued by {via})" if via in ISSUERS else ""
-
-
-def rank_list(ranks: list[int]) -> str:
-    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-6, 8-15``: consecutive ranks as ranges."""
-    ranks = sorted(set(ranks))
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def _group_name(group: dict[str, Any]) -> str:
@@ -112,34 +108,6 @@ def _state_lines(answers: dict[int, dict]) -> tuple[list[str], str]:
     return text, picture
 
 
-def _divergence(groups_by_rank: dict[int, list[dict]], name: str, waiting_at: set[int]) -> tuple[int, str] | None:
-    """The first collective of group ``name`` that the ranks called from different places. Where that
-    is the one they wait in now (``waiting_at``), the history each rank keeps shows no earlier split:
-    then where that history starts (seq 0)."""
-    calls: dict[int, dict[int, tuple]] = {}
-    for rank, rank_groups in groups_by_rank.items():
-        for group in rank_groups:
-            if group["name"] == name:
-                calls[rank] = {i["seq"]: (i["op"], i["what"], i["site"]) for i in group["recent"] + group["waiting"]}
-    if len(calls) < 2:
-        return None
-    common = set.intersection(*(set(c) for c in calls.values()))
-    for seq in sorted(common):
-        seen: dict[tuple, list[int]] = {}
-        for rank, c in calls.items():
-            seen.setdefault(c[seq], []).append(rank)
-        if len(seen) > 1:
-            first = min(common)
-            if seq in waiting_at and 1 < first < seq:  # one rank's extra call may lie further back
-                return 0, (f"the collectives #{first} to #{seq - 1}, as far back as each rank keeps them, were "
-                           "called from the same places: if a rank called one the others did not, it was "
-                           f"before #{first}.")
-            sides = "; ".join(f"{rank_list(ranks)} {op} {what} at {site}".replace("  ", " ")
-                              for (op, what, site), ranks in sorted(seen.items(), key=lambda kv: min(kv[1])))
-            return seq, f"the first collective the ranks called from different places is #{seq}: {sides}."
-    return None
-
-
 def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: float) -> tuple[list[str], bool]:
     sentences: list[str] = []
     certain = False
@@ -159,10 +127,11 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             one = len(waiting) == 1
             verb = ("was" if one else "were") if item.get("error") else ("waits" if one else "wait")
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
-            if (info.get("final") or {}).get("how") == "exit" and item.get("via") == "DDP":
-                sentence += (f": if rank {rank}'s data ran out first (ranks with different numbers of batches), "
-                             "train under 'with model.join():' or give every rank as many batches "
-                             "(DistributedSampler(..., drop_last=True))")
+            left = (info.get("final") or {}).get("how") in ("exit", "shutdown")  # done, not failed
+            if left and item.get("via") == "DDP":
+                sentence += f": if rank {rank}'s {_UNEVEN}"
+            elif left and item.get("via") == "save":
+                sentence += f": {_SAVE} call it on every rank, not under 'if rank == 0:'"
         sentences.append(sentence + ".")
         # a rank busy in a call that holds the GIL cannot answer either: only one known gone is certain
         certain = certain or bool(info.get("final") or info.get("exited"))
@@ -188,12 +157,10 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             if ddp and len(ddp) < len(waiters):  # the others moved on to a collective the rest never reach
                 short = rank_list([r for r in waiters if r not in ddp])
                 call = "calls" if short.startswith("rank ") else "call"  # "rank 0" or "ranks 0, 2"
-                lead = (f"ddpkit.save is a collective (rank 0 writes, the others wait): if {short} alone {call} it"
-                        if any(items[r].get("via") == "save" for r in waiters) else f"if {short} alone {call} that one")
-                sentences.append(f"{lead} (under 'if rank == 0:', say), call it on every rank. If the data of {short} "
-                                 "ran out first (ranks with different numbers of batches), train under 'with "
-                                 "model.join():' or give every rank as many batches (DistributedSampler(..., "
-                                 "drop_last=True)).")
+                lead = (f"{_SAVE} if {short} alone {call} it" if any(items[r].get("via") == "save" for r in waiters)
+                        else f"if {short} alone {call} that one")
+                sentences.append(f"{lead} (under 'if rank == 0:', say), call it on every rank. If the "
+                                 f"{_UNEVEN.replace('data', f'data of {short}', 1)}.")
             if not absent and not [r for r in group["ranks"] if r in missing]:
                 certain = True
         elif not absent and not [r for r in group["ranks"] if r in missing]:
@@ -215,7 +182,7 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             sentences.append(f"rank {r} has not reached {_op(item)}{where} ({item['site']}) that "
                              f"{rank_list(waiters)} wait{'s' if len(waiters) == 1 else ''} in; {state}.")
         waiting_at = {sig[0] for sig in signatures}
-        hint = _divergence(known, name, waiting_at) if (absent or len(signatures) > 1 or missing) else None
+        hint = divergence(known, name, waiting_at) if (absent or len(signatures) > 1 or missing) else None
         if hint and not (len(signatures) > 1 and {hint[0]} == waiting_at):
             sentences.append(hint[1])
     if not busy and not can_complete and waiting_groups and not perhaps_busy:

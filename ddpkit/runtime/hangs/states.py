@@ -1,13 +1,16 @@
 """What one rank's published state says: the collective it waits in (one the recorder numbered, one it
 never saw, or a point-to-point call), why a rank that did not answer is missing, and a state line's
-verb when several ranks share it. The report (``report.py``) puts these together across ranks.
+verb when several ranks share it; and across ranks, how a list of them is written and the first
+collective of a group their histories show called from different places. The report
+(``report.py``) puts these together.
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
-__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence", "plural"]
+__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence", "plural",
+           "rank_list", "divergence"]
 
 
 def first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
@@ -99,3 +102,43 @@ def plural(line: str) -> str:
         if line.startswith(one):
             return many + line[len(one):]
     return line
+
+
+def rank_list(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-6, 8-15``: consecutive ranks as ranges."""
+    ranks = sorted(set(ranks))
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def divergence(groups_by_rank: dict[int, list[dict]], name: str, waiting_at: set[int]) -> tuple[int, str] | None:
+    """The first collective of group ``name`` that the ranks called from different places. Where that
+    is the one they wait in now (``waiting_at``), the history each rank keeps shows no earlier split:
+    then where that history starts (seq 0)."""
+    calls: dict[int, dict[int, tuple]] = {}
+    for rank, rank_groups in groups_by_rank.items():
+        for group in rank_groups:
+            if group["name"] == name:
+                calls[rank] = {i["seq"]: (i["op"], i["what"], i["site"]) for i in group["recent"] + group["waiting"]}
+    if len(calls) < 2:
+        return None
+    common = set.intersection(*(set(c) for c in calls.values()))
+    for seq in sorted(common):
+        seen: dict[tuple, list[int]] = {}
+        for rank, c in calls.items():
+            seen.setdefault(c[seq], []).append(rank)
+        if len(seen) > 1:
+            first = min(common)
+            if seq in waiting_at and 1 < first < seq:  # one rank's extra call may lie further back
+                return 0, (f"the collectives #{first} to #{seq - 1}, as far back as each rank keeps them, were "
+                           "called from the same places: if a rank called one the others did not, it was "
+                           f"before #{first}.")
+            sides = "; ".join(f"{rank_list(ranks)} {op} {what} at {site}".replace("  ", " ")
+                              for (op, what, site), ranks in sorted(seen.items(), key=lambda kv: min(kv[1])))
+            return seq, f"the first collective the ranks called from different places is #{seq}: {sides}."
+    return None
