@@ -174,6 +174,11 @@ def strict_other_reduction(rank: int) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM)  # <- strict-op
 
 
+def strict_broadcast_shapes(rank: int) -> None:
+    """A broadcast whose receiver allocated another shape: rank 1 would get half of rank 0's tensor."""
+    dist.broadcast(torch.arange(3.0) if rank == 0 else torch.zeros(5), src=0)  # <- strict-bcast
+
+
 def strict_join_on_one_rank(rank: int) -> None:
     """``with model.join():`` on rank 0 only: its forward all-reduces Join's count of active ranks
     (one element) where rank 1's backward all-reduces its gradient bucket, from one line."""

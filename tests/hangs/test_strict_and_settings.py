@@ -50,6 +50,13 @@ def test_strict_mode_names_a_reduction_that_differs_between_ranks():
         assert "HINT: the same call on every rank, with other tensors: all_reduce needs the same shape" in text
 
 
+def test_strict_mode_on_a_broadcast_of_other_shapes_speaks_of_shapes_not_of_a_reduction():
+    for text in run_ranks(_mismatch_in, 2, args=("strict_broadcast_shapes",), env={"DDPKIT_CHECK_COLLECTIVES": "1"}):
+        assert "rank 0: broadcast float32[3] from rank 0" in text and "rank 1: broadcast float32[5] from rank 0" in text
+        assert ("HINT: the same call on every rank, with other tensors: broadcast needs the same shape and dtype on "
+                "every rank; make them agree, e.g. send the shape first and allocate the tensor from it") in text
+
+
 def test_strict_mode_names_torchs_join_when_one_rank_alone_entered_it():
     texts = run_ranks(_mismatch_in, 2, args=("strict_join_on_one_rank",), env={"DDPKIT_CHECK_COLLECTIVES": "1"})
     site = re.escape(line_of("strict-join"))

@@ -51,9 +51,11 @@ class StrictCheck:
             listed = "; ".join(f"{rank_list(rs)}: {sig}" for sig, rs in ordered)
             where = "the default group" if log.default else f"group {log.ranks}"
             calls = {(sig.split(" ", 1)[0], _issuer(sig), sig.rsplit(" at ", 1)[-1]) for sig in sides}
-            hint = (f"the same call on every rank, with other tensors: {record.op} needs the same shape and "
-                    "dtype on every rank, and the same op (none shown: sum); make them agree, e.g. pad to "
-                    "the largest size, or use ddpkit.all_gather, whose first dimensions may differ."
+            reduces = record.reduction is not None
+            hint = (f"the same call on every rank, with other tensors: {record.op} needs the same shape and dtype on "
+                    f"every rank{', and the same op (none shown: sum)' if reduces else ''}; make them agree, e.g. "
+                    + ("pad to the largest size, or use ddpkit.all_gather, whose first dimensions may differ."
+                       if reduces else "send the shape first and allocate the tensor from it on every rank.")
                     if len(calls) == 1 else _JOIN_HINT if any(_issuer(sig) == "torch's Join" for sig in sides) else
                     "every rank must call the same collectives in the same order, from the same line.")
             raise CollectiveMismatchError(explain(
