@@ -251,7 +251,7 @@ def build_report(answers: dict[int, dict], missing: dict[int, dict], *, stall_ti
     peer_gone = any((info.get("final") or {}).get("how") != "hang" and (info.get("final") or info.get("exited"))
                     for info in missing.values())
     if certain and peer_gone:
-        after = ("a certain deadlock: a collective that waits on a rank that is gone raises (as under torch), "
+        after = ("a rank is gone, so this cannot complete: a collective that waits on it raises (as under torch), "
                  f"and the error goes on to the script; a rank still waiting after a moment ends with exit "
                  f"code {exit_code}.")
     elif certain:
