@@ -79,12 +79,6 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return t.stride()
 
 
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class GradBucketBasics:
     """What every bucket shows a comm hook as torch's ``GradBucket`` does, whatever it holds."""
 
@@ -261,11 +255,13 @@ class Bucket(GradBucketBasics):
         real pairs, where the buffer holds twice the elements)."""
         pairs = buffer.dim() == 1 and self.grad_data.is_complex() and buffer.numel() == 2 * self.numel
         if not buffer.is_contiguous() or (not pairs and (buffer.dim() != 1 or buffer.numel() != self.numel)):
+            from ddpkit.runtime.process_group import get_rank
+
             raise CommHookError(explain(
                 f"bucket.gradients() of bucket {self._index}: the buffer given to set_buffer() has shape "
                 f"{list(buffer.shape)} and strides {list(buffer.stride())}, but the bucket's gradients are "
                 f"{self.numel} contiguous elements in one dimension.", "set a buffer of the same size as "
-                "bucket.buffer(), such as a copy of it in another dtype."), rank=_global_rank(), hook="set_buffer")
+                "bucket.buffer(), such as a copy of it in another dtype."), rank=get_rank(), hook="set_buffer")
         views, offset, width = [], 0, 2 if pairs else 1
         for p in self.params:
             # laid out as the bucket's own views are (a channels_last weight keeps its layout)

@@ -290,12 +290,6 @@ class Recorder:
         failed = [r for log in self.groups() for r in list(log.ring) if r.error is not None]
         return max(failed, key=lambda r: r.start) if failed else None
 
-    def waiting_since(self) -> float | None:
-        """When the oldest outstanding collective, or blocking recv/send, began; None: none runs."""
-        oldest = self.oldest_outstanding()
-        starts = [t for t in (None if oldest is None else oldest.start, self.p2p.oldest()) if t is not None]
-        return min(starts, default=None)
-
     def oldest_outstanding(self) -> Record | None:
         oldest = None
         for log in self.groups():

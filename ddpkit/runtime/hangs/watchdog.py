@@ -135,7 +135,9 @@ class Watchdog(threading.Thread):
             self._take_part(self.inquiry.open(self._answered))
 
     def _stalled(self) -> bool:
-        since = self.recorder.waiting_since()  # a collective's start, or a blocking recv's or send's
+        oldest = self.recorder.oldest_outstanding()  # and a blocking recv or send, which it times
+        starts = (None if oldest is None else oldest.start, self.recorder.p2p.oldest())
+        since = min([t for t in starts if t is not None], default=None)
         now = time.monotonic()
         return (since is not None and now - since >= self.stall_timeout
                 and now - self._last_inquiry >= self.stall_timeout)
