@@ -156,6 +156,8 @@ def test_a_save_that_fails_names_the_path_asked_for_not_only_the_temporary_file(
     with pytest.raises(OSError) as caught:
         ddpkit.save({}, tmp_path / "file" / "x.pt")  # a file where a directory should be
     assert f"ddpkit.save could not write {str(tmp_path / 'file' / 'x.pt')!r}" in caught.value.__notes__[0]
+    assert isinstance(caught.value, NotADirectoryError)  # mkdir said only "File exists: '<the file>'"
+    assert f"{str(tmp_path / 'file')!r} is a file, not a directory" in str(caught.value)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -98,6 +98,11 @@ def _as_path(path: Any) -> Path:
 
 def _atomic_save(obj: Any, path: Path) -> None:
     directory = path.parent
+    blocking = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # mkdir's own words, "File exists: '<that file>'", do not say why it matters
+        raise NotADirectoryError(explain(
+            f"ddpkit.save cannot write {str(path)!r}: {str(blocking)!r} is a file, not a directory.",
+            "give a path whose directories are directories (or can be made), or move that file."))
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{_TMP_MARK}", dir=directory)
     try:
