@@ -22,7 +22,7 @@ from ddpkit.runtime.port_holder import describe_holder
 if TYPE_CHECKING:  # the launcher of one node starts its workers before it imports torch
     import torch.distributed as dist
 
-__all__ = ["Layout", "listen", "host_store", "Rendezvous", "LocalRendezvous", "for_config"]
+__all__ = ["ask_where_they_are", "Layout", "listen", "host_store", "Rendezvous", "LocalRendezvous", "for_config"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,10 @@ class Rendezvous:
         """After local success: wait for the other nodes; returns another node's failure, if any."""
         return None
 
+    def worker_store(self) -> dist.Store | None:
+        """The store this node's workers meet in, where this launcher holds it; else None."""
+        return None
+
     def close(self) -> None:
         """Leave the rendezvous."""
 
@@ -116,11 +120,26 @@ class LocalRendezvous(Rendezvous):
         self._store, self._socket = host_store(self._socket), None
         claim(self._store, JobRecord.here(self._config.job_id, self._config.nproc_per_node, "ddpkit run"))
 
+    def worker_store(self) -> dist.Store | None:
+        return self._store
+
     def close(self) -> None:
         self._store = None
         if self._socket is not None:  # never served (the store closes the socket it took over)
             self._socket.close()
             self._socket = None
+
+
+def ask_where_they_are(rendezvous: Rendezvous) -> bool:
+    """Open a hang inquiry in the workers' store, where this launcher holds it: each rank's watchdog
+    then reports where it waits (ranks blocked in a collective cannot see a signal). False where
+    there is no store here, or the job records no hangs."""
+    store = rendezvous.worker_store()
+    if store is None:
+        return False
+    from ddpkit.runtime.hangs.inquiry import ask_from_outside
+
+    return ask_from_outside(store)
 
 
 def for_config(config: LaunchConfig) -> Rendezvous:

@@ -19,7 +19,7 @@ import psutil
 
 from ddpkit.launch.config import LaunchConfig
 from ddpkit.launch.logs import error_file_path, log_path, run_log_dir, say
-from ddpkit.launch.rendezvous import Layout, for_config
+from ddpkit.launch.rendezvous import Layout, ask_where_they_are, for_config
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
@@ -31,6 +31,8 @@ __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
 CAUSE_WAIT = 5.0
 """Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
 waits for the failure that caused it to end too."""
+ASK_AFTER = 2.0
+"""Seconds after the user's stop signal before workers still running are asked where they wait."""
 PEER_EXIT_WAIT = 0.5
 """Seconds the rest of a failed attempt's workers get to end by themselves before SIGTERM: a rank
 failing at the same moment (both raise after one barrier) prints its own traceback, and is told
@@ -237,7 +239,15 @@ class Supervisor:
                  f"{self.config.grace_period:g} s (Ctrl-C: at once)")
         for worker in running:
             signal_worker(worker, sig)
-        self._wait_for_exit(running, self.config.grace_period)
+        deadline = time.monotonic() + self.config.grace_period
+        if running and self.stop_signal is not None and self.config.grace_period > ASK_AFTER:
+            # a user stops a job that seems stuck: ranks blocked in a collective do not see the signal
+            if self._wait_for_exit(running, ASK_AFTER):
+                deadline = 0.0  # Ctrl-C again: at once
+            elif any(w.process.poll() is None for w in running) and ask_where_they_are(self.rendezvous):
+                _say(f"workers still running {ASK_AFTER:g} s after {signal.Signals(sig).name}: each reports "
+                     "where it waits")
+        self._wait_for_exit(running, deadline - time.monotonic())
         kill_leftovers(workers, self._keep)
         for worker in workers:
             if worker.state == "running":
@@ -249,14 +259,15 @@ class Supervisor:
                 _say(f"rank {worker.rank}'s output pipe is still held open by a process outside "
                      "its tree; not waiting for it")
 
-    def _wait_for_exit(self, workers: list[Worker], seconds: float) -> None:
+    def _wait_for_exit(self, workers: list[Worker], seconds: float) -> bool:
         """Until every one of ``workers`` has ended, ``seconds`` have passed, or a stopping signal came
-        (Ctrl-C while stopping: do not wait out the grace period)."""
+        (Ctrl-C while stopping: do not wait out the grace period); returns whether one came."""
         deadline = time.monotonic() + seconds
         while any(w.process.poll() is None for w in workers) and time.monotonic() < deadline:
             if self._handle_signals():
-                return
+                return True
             time.sleep(0.02)
+        return False
 
     # ------------------------------------------------------------------------------------- signals
     def _handle_signals(self) -> bool:

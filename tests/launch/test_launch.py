@@ -697,6 +697,21 @@ def test_sigusr1_is_forwarded_and_sigint_stops_every_worker_and_child(job, tmp_p
 
 
 @pytest.mark.timeout(60)
+def test_ctrl_c_on_a_deadlocked_job_has_each_rank_report_where_it_waits(job, tmp_path):
+    # before, the launcher waited out its 30 s grace in silence, then killed them
+    launcher = job.start("--nproc-per-node", "2", WORKER, str(tmp_path), "deadlock")
+    job.wait_for_files("deadlock_*", 2)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGINT, err
+    assert "workers still running 2 s after SIGINT: each reports where it waits" in err
+    assert "ddpkit hang report (stall_timeout=60 s" in err and "the ranks disagree at #1" in err, err
+    assert time.monotonic() - start < 15, err
+    assert_all_gone(job.pids())
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_c_reaches_each_worker_once_so_its_cleanup_runs_to_the_end(job, tmp_path):
     launcher = job.start("--nproc-per-node", "2", "--grace-period", "20", WORKER, str(tmp_path), "sigint")
     job.wait_for_files("pids_*.json", 2)

@@ -124,6 +124,15 @@ def main() -> None:
         _write(os.path.join(out, f"result_{rank}.json"), result)
         print(f"sum {total.item()}", flush=True)
         ddpkit.shutdown()
+    elif mode == "deadlock":  # every rank is the source of one broadcast, and keeps a Ctrl-C from ending it
+        import torch
+
+        import ddpkit
+
+        signal.signal(signal.SIGINT, lambda *_: None)  # as a rank blocked in a collective: it cannot see one
+        ddpkit.init(backend="gloo")  # stall_timeout: the default 60 s
+        _write(os.path.join(out, f"deadlock_{rank}"), {})
+        ddpkit.broadcast(torch.zeros(4), src=rank)
     elif mode == "mismatch":
         import torch
 

@@ -18,9 +18,11 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
-__all__ = ["Inquiry", "pid_exited", "pid_stopped"]
+__all__ = ["Inquiry", "pid_exited", "pid_stopped", "ask_from_outside", "LATEST_KEY"]
 
 _POLL = 0.05
+LATEST_KEY = "ddpkit-hangs/latest"
+"""The key prefix of the newest process group's inquiry, at the top of the store."""
 
 
 def pid_exited(pid: int | None, host: str | None) -> bool | None:
@@ -46,6 +48,19 @@ def pid_stopped(pid: int | None, host: str | None) -> str | None:
     except (psutil.Error, OSError):
         return None
     return {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "traced"}.get(status)
+
+
+def ask_from_outside(store: dist.Store) -> bool:
+    """Open an inquiry in a job's store from outside its ranks (``ddpkit run``, whose workers did not
+    end at its Ctrl-C: ranks blocked in a collective cannot run Python's handler), so that every
+    rank's watchdog reports where it is now. False where the job records no hangs."""
+    try:
+        if not store.check([LATEST_KEY]):
+            return False
+        store.add(f"{store.get(LATEST_KEY).decode()}/inquiry", 1)
+    except (RuntimeError, OSError, ValueError):  # the store went away with the job
+        return False
+    return True
 
 
 class Inquiry:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ddpkit.errors import rank_prefix
 from ddpkit.runtime.hangs.callsite import call_site, describe_error, format_site, traceback_site
-from ddpkit.runtime.hangs.inquiry import Inquiry
+from ddpkit.runtime.hangs.inquiry import LATEST_KEY, Inquiry
 from ddpkit.runtime.hangs.recorder import Record, Recorder
 from ddpkit.runtime.hangs.settings import (
     CONSEQUENCE_FILE_VARIABLE,
@@ -161,6 +161,8 @@ def _stores(store: dist.Store, rank: int) -> tuple[dist.Store, dist.Store]:
     base = store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
+    if rank == 0:  # where a launcher that holds the store finds this job's keys (ask_from_outside)
+        base.set(LATEST_KEY, prefix)
     own = base
     if isinstance(base, dist.TCPStore):
         own = dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
