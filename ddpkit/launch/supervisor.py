@@ -32,7 +32,7 @@ CAUSE_WAIT = 5.0
 """Seconds a consequence (a hang report's exit, or a collective that failed because a peer went away)
 waits for the failure that caused it to end too."""
 ASK_AFTER = 2.0
-"""Seconds after the user's stop signal before workers still running are asked where they wait."""
+"""Seconds after Ctrl-C (SIGINT) before workers still running are asked where they wait."""
 PEER_EXIT_WAIT = 0.5
 """Seconds the rest of a failed attempt's workers get to end by themselves before SIGTERM: a rank
 failing at the same moment (both raise after one barrier) prints its own traceback, and is told
@@ -240,8 +240,9 @@ class Supervisor:
         for worker in running:
             signal_worker(worker, sig)
         deadline = time.monotonic() + self.config.grace_period
-        if running and self.stop_signal is not None and self.config.grace_period > ASK_AFTER:
-            # a user stops a job that seems stuck: ranks blocked in a collective do not see the signal
+        if running and self.stop_signal == signal.SIGINT and self.config.grace_period > ASK_AFTER:
+            # Ctrl-C on a job that seems stuck: ranks blocked in a collective do not see the signal (a
+            # scheduler's SIGTERM gives a checkpoint's save its time without a report)
             if self._wait_for_exit(running, ASK_AFTER):
                 deadline = 0.0  # Ctrl-C again: at once
             elif any(w.process.poll() is None for w in running) and ask_where_they_are(self.rendezvous):
