@@ -23,7 +23,16 @@ from ddpkit.launch.rendezvous import Layout, ask_where_they_are, for_config
 from ddpkit.launch.signals import FORWARDED, STOPPING, SignalInbox
 from ddpkit.launch.summary import failure_info, failure_summary, remote_summary
 from ddpkit.launch.watchdog import TOKEN_VARIABLE, Watchdog
-from ddpkit.launch.workers import Placement, Worker, exit_code, kill_leftovers, signal_worker, spawn_worker, worker_env
+from ddpkit.launch.workers import (
+    Placement,
+    Worker,
+    exit_code,
+    kill_leftovers,
+    record_exit,
+    signal_worker,
+    spawn_worker,
+    worker_env,
+)
 from ddpkit.runtime.hangs.settings import CONSEQUENCE_FILE_VARIABLE, HANG_EXIT_CODE
 
 __all__ = ["Outcome", "Supervisor", "run", "CAUSE_WAIT"]
@@ -193,7 +202,7 @@ class Supervisor:
             if self.stop_signal is not None:
                 return Outcome("signal", 128 + self.stop_signal)
             for worker in self._workers:
-                _settle(worker)
+                record_exit(worker)
             failed = [w for w in self._workers if w.state == "failed"]
             if failed and not self._await_cause(failed):
                 # several ended by themselves (in one poll, or while consequences waited for their
@@ -232,7 +241,7 @@ class Supervisor:
         ``settle``: seconds to let them end by themselves first (``PEER_EXIT_WAIT``)."""
         self._wait_for_exit(workers, settle)
         for worker in workers:
-            _settle(worker)  # one that ended by itself before we signal it was not stopped by us
+            record_exit(worker)  # one that ended by itself before we signal it was not stopped by us
         running = [w for w in workers if w.process.poll() is None]
         if running:
             _say(f"stopping workers: {signal.Signals(sig).name}, SIGKILL in "
@@ -292,16 +301,6 @@ class Supervisor:
     def _aborted(self) -> bool:
         self._handle_signals()
         return self.stop_signal is not None
-
-
-def _settle(worker: Worker) -> bool:
-    """If a running worker exited by itself, record how (succeeded or failed); returns whether it did."""
-    returncode = worker.process.poll()
-    if returncode is None or worker.state != "running":
-        return False
-    worker.exit_code = exit_code(returncode)
-    worker.state = "succeeded" if returncode == 0 else "failed"
-    return True
 
 
 def run(config: LaunchConfig, environ: dict[str, str] | None = None) -> int:

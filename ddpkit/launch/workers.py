@@ -21,7 +21,7 @@ from ddpkit.logging import TERMINAL_VARIABLE
 from ddpkit.runtime.environments.threads import available_cores
 
 __all__ = ["Placement", "Worker", "worker_env", "spawn_worker", "signal_worker", "kill_leftovers",
-           "exit_code"]
+           "exit_code", "record_exit"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,16 @@ class Worker:
     @property
     def rank(self) -> int:
         return self.place.rank
+
+
+def record_exit(worker: Worker) -> bool:
+    """If a running worker exited by itself, record how (succeeded or failed); returns whether it did."""
+    returncode = worker.process.poll()
+    if returncode is None or worker.state != "running":
+        return False
+    worker.exit_code = exit_code(returncode)
+    worker.state = "succeeded" if returncode == 0 else "failed"
+    return True
 
 
 def exit_code(returncode: int) -> int:
