@@ -12,47 +12,23 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
-
 __all__ = ["PointToPointWaits", "CALLS"]
 
 CALLS = ("recv", "send")
 
 
 class PointToPointWaits:
-    """Wraps torch's blocking ``recv`` and ``send`` while installed; ``oldest()`` is the start of the
-    longest such call still running in any thread."""
+    """The start of each blocking ``recv`` or ``send`` still running, by thread, through the
+    wrappers ``wrap`` makes (the recorder installs them beside its collectives' own)."""
 
     def __init__(self) -> None:
         self._started: dict[int, float] = {}  # thread id -> when its outermost call began
-        self._originals: dict[str, Callable] = {}
-
-    def install(self, owner: Any) -> None:
-        """Wrap the calls; ``owner`` (the recorder) marks the wrappers, so that they are told apart
-        from torch's own functions and from another recorder's."""
-        for name in CALLS:
-            original = getattr(c10d, name)
-            if getattr(original, "__ddpkit_recorder__", None) is owner:
-                continue
-            self._originals[name] = original
-            wrapper = self._wrap(original)
-            wrapper.__ddpkit_recorder__ = owner
-            setattr(c10d, name, wrapper)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapper)
-
-    def uninstall(self, owner: Any) -> None:
-        for name, original in self._originals.items():
-            for module in (c10d, dist):
-                if getattr(getattr(module, name, None), "__ddpkit_recorder__", None) is owner:
-                    setattr(module, name, original)
-        self._originals.clear()
 
     def oldest(self) -> float | None:
+        """When the longest such call still running began; None: none runs."""
         return min(list(self._started.values()), default=None)
 
-    def _wrap(self, fn: Callable) -> Callable:
+    def wrap(self, fn: Callable) -> Callable:
         started = self._started
 
         @functools.wraps(fn)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ddpkit.runtime.hangs.callsite import Site, call_site, format_site
+from ddpkit.runtime.hangs.p2p import CALLS as P2P_CALLS
 from ddpkit.runtime.hangs.p2p import PointToPointWaits
 
 __all__ = ["Record", "GroupLog", "Recorder", "COLLECTIVES", "INSTALLED"]
@@ -149,24 +150,25 @@ class Recorder:
 
     # ---- installing -------------------------------------------------------------------------------
     def install(self) -> None:
-        """Wrap the collectives (again after ``uninstall()``, reusing the wrappers: a few setattrs)."""
-        for op, (tensor_arg, root_arg) in COLLECTIVES.items():
+        """Wrap the collectives, and the blocking recv and send (timed only), again after
+        ``uninstall()`` reusing the wrappers: a few setattrs."""
+        for op in (*COLLECTIVES, *P2P_CALLS):
             original = getattr(c10d, op)
             if getattr(original, "__ddpkit_recorder__", None) is self:
                 continue
             self._originals[op] = original
             wrapper = self._wrappers.get(op)
             if wrapper is None or wrapper.__wrapped__ is not original:
-                wrapper = self._wrappers[op] = self._wrap(op, original, tensor_arg, root_arg)
+                wrapper = self._wrappers[op] = (self._wrap(op, original, *COLLECTIVES[op]) if op in COLLECTIVES
+                                                else self.p2p.wrap(original))
+                wrapper.__ddpkit_recorder__ = self
             setattr(c10d, op, wrapper)
             if getattr(dist, op, None) is original:
                 setattr(dist, op, wrapper)
-        self.p2p.install(self)
         if self not in INSTALLED:
             INSTALLED.append(self)
 
     def uninstall(self) -> None:
-        self.p2p.uninstall(self)
         for op, original in self._originals.items():
             for module in (c10d, dist):
                 if getattr(getattr(module, op, None), "__ddpkit_recorder__", None) is self:
@@ -202,7 +204,6 @@ class Recorder:
             async_op = kwargs["async_op"] if "async_op" in kwargs else len(args) > async_at and args[async_at]
             return run(op, group, tensor, root, reduction, async_op, fn, args, kwargs)
 
-        collective.__ddpkit_recorder__ = self
         return collective
 
     def run(self, op: str, group: Any, tensor: Any, root: Any, reduction: str | None, async_op: bool,

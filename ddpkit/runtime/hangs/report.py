@@ -36,8 +36,12 @@ ISSUERS = ("DDP", "SyncBatchNorm", "torch's Join")
 
 
 # the hints for a rank whose data ran out first, and for ddpkit.save called on some ranks only
-_UNEVEN = ("data ran out first (ranks with different numbers of batches), train under 'with model.join():' or "
-           "give every rank as many batches (DistributedSampler(..., drop_last=True))")
+def _uneven(whose_data: str) -> str:
+    """The hint for ranks whose data ran out first: ``whose_data`` is "rank 1's data" or the like."""
+    return (f"{whose_data} ran out first (ranks with different numbers of batches), train under 'with "
+            "model.join():' or give every rank as many batches (DistributedSampler(..., drop_last=True))")
+
+
 _SAVE = "ddpkit.save is a collective (rank 0 writes, the others wait):"
 
 
@@ -129,7 +133,7 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             sentence += f"; {rank_list(waiting)} {verb} in {_op(item)} ({item['site']})"
             left = (info.get("final") or {}).get("how") in ("exit", "shutdown")  # done, not failed
             if left and item.get("via") == "DDP":
-                sentence += f": if rank {rank}'s {_UNEVEN}"
+                sentence += ": if " + _uneven(f"rank {rank}'s data")
             elif left and item.get("via") == "save":
                 sentence += f": {_SAVE} call it on every rank, not under 'if rank == 0:'"
         sentences.append(sentence + ".")
@@ -155,12 +159,12 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
             sentences.append(f"the ranks disagree at {at}{where}: {sides}.")
             ddp = [r for r in waiters if items[r].get("via") == "DDP"]
             if ddp and len(ddp) < len(waiters):  # the others moved on to a collective the rest never reach
-                short = rank_list([r for r in waiters if r not in ddp])
-                call = "calls" if short.startswith("rank ") else "call"  # "rank 0" or "ranks 0, 2"
+                others = [r for r in waiters if r not in ddp]
+                short, call = rank_list(others), "calls" if len(others) == 1 else "call"
                 lead = (f"{_SAVE} if {short} alone {call} it" if any(items[r].get("via") == "save" for r in waiters)
                         else f"if {short} alone {call} that one")
                 sentences.append(f"{lead} (under 'if rank == 0:', say), call it on every rank. If the "
-                                 f"{_UNEVEN.replace('data', f'data of {short}', 1)}.")
+                                 f"{_uneven(f'data of {short}')}.")
             if not absent and not [r for r in group["ranks"] if r in missing]:
                 certain = True
         elif not absent and not [r for r in group["ranks"] if r in missing]:
