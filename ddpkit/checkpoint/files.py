@@ -67,9 +67,14 @@ def load(path: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) 
             torch's default, ``weights_only=True``, covers tensors, containers and numbers).
 
     Raises:
-        FileNotFoundError: no file at ``path``; the message names it.
+        FileNotFoundError: no file at ``path`` (or an empty path); the message names it.
+        IsADirectoryError: ``path`` is a directory.
     """
     path = _as_path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, explain(
+            f"{str(path)!r} is a directory, not a checkpoint file.",
+            f"ddpkit.checkpoint.latest_checkpoint({str(path)!r}) gives the newest complete checkpoint in it."))
     if not path.is_file():
         where = path.parent if str(path.parent) else Path(".")
         hint = "" if where.is_dir() else f" (the directory {str(where)!r} does not exist either)"
@@ -93,6 +98,8 @@ def _as_path(path: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(explain(f"path must be a str or os.PathLike, got {type(path).__name__}.",
                                 "for file objects use torch.save directly; ddpkit.save needs a path to be atomic."))
+    if os.fspath(path) == "":  # Path("") is the current directory
+        raise FileNotFoundError(errno.ENOENT, "the path is empty: name a checkpoint file", "")
     return Path(path)
 
 

@@ -58,8 +58,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
 
     ``op`` is "sum", "mean", "max", "min", "product" or the bitwise "band", "bor", "bxor", or
     torch's ``dist.ReduceOp`` of the same name (``ReduceOp.AVG`` is "mean"). A mean needs a
-    floating-point tensor; a 16-bit one is summed in float32, so that the sum cannot overflow where
-    the mean would not. A bitwise one needs an integer or bool tensor.
+    floating-point tensor; a 16-bit one is averaged in float32, each rank's share divided before the
+    sum, so that the sum cannot overflow where the mean would not (bfloat16 reaches float32's
+    largest values). A bitwise one needs an integer or bool tensor.
     """
     check_tensor("tensor", tensor)
     name, reduce_op = parse_reduce_op(op)
@@ -68,10 +69,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     if world_size == 1:
         return tensor
     if widens(name, tensor):
-        wide = tensor.float()
+        wide = tensor.detach().float().div_(world_size)
         dist.all_reduce(wide, op=reduce_op, group=group)
         with torch.no_grad():
-            return tensor.copy_(wide.div_(world_size))
+            return tensor.copy_(wide)
     dist.all_reduce(tensor, op=reduce_op, group=group)
     if name in ("mean", "avg"):
         with torch.no_grad():  # the collective writes outside autograd too (a parameter averaged by hand)
@@ -93,7 +94,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Return rank ``src``'s ``obj`` (any picklable object) on every rank; ``src`` as in broadcast."""
     if _check_src(src, group, "broadcast_object") == 1:
-        return obj
+        return _picklable(obj)
     device = comm_device(group)
     sending = dist.get_rank() == src
     payload = _to_bytes_tensor(obj) if sending else torch.empty(0, dtype=torch.uint8)
@@ -121,7 +122,7 @@ def _check_src(src: int, group, op: str) -> int:
 def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's ``obj`` (any picklable object), in rank order."""
     if _world_size(group, "all_gather_object") == 1:
-        return [obj]
+        return [_picklable(obj)]
     device = comm_device(group)
     return [_from_bytes_tensor(t) for t in all_gather(_to_bytes_tensor(obj).to(device), group=group)]
 
@@ -130,6 +131,12 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
 # pickle into a uint8 tensor and back with the standard library only.
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _picklable(obj: Any) -> Any:
+    """``obj``, once pickling it works: alone, a script fails where several ranks would."""
+    pickle.dumps(obj)
+    return obj
 
 
 def _from_bytes_tensor(tensor: torch.Tensor) -> Any:
@@ -143,12 +150,13 @@ def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     Returns a list of ``world_size`` tensors (``torch.cat`` it for one tensor).
     """
     check_tensor("tensor", tensor)
+    if tensor.dim() > 8:
+        raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
     world_size = _world_size(group, "all_gather")
+    tensor = tensor.detach()  # as torch's: gathered tensors are new data, outside autograd
     if world_size == 1:
         return [tensor.clone()]
     tensor = tensor.contiguous()
-    if tensor.dim() > 8:
-        raise ValueError(f"all_gather supports tensors of up to 8 dimensions, got {tensor.dim()}.")
     # the dtype goes with the shape: Gloo aborts the process on a size mismatch, and a dtype of the
     # same size would be gathered as garbage
     headers = _gather_header([tensor.dim(), *tensor.shape, *[0] * (8 - tensor.dim())], tensor, group, world_size)
@@ -229,13 +237,14 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
     name, reduce_op = parse_reduce_op(op)
     for chunk in chunks:
         check_op_dtype("reduce_scatter", name, chunk, op)
+    chunks = [c.detach() for c in chunks]  # as torch's: the result is new data, outside autograd
     if world_size == 1:
         return chunks[0].clone()
     _check_same_sizes(chunks, group, world_size)
     same_shapes = all(c.shape == chunks[0].shape for c in chunks)
     narrow = chunks[rank].dtype if widens(name, chunks[rank]) else None
-    if narrow is not None:  # new tensors: the caller's inputs stay as they were
-        chunks = [c.float() for c in chunks]
+    if narrow is not None:  # new tensors, divided before the sum as in all_reduce: the inputs stay
+        chunks = [c.float().div_(world_size) for c in chunks]
     if dist.get_backend(group) == "nccl" and same_shapes:
         out = torch.empty_like(chunks[rank])
         dist.reduce_scatter(out, [c.contiguous() for c in chunks], op=reduce_op, group=group)
@@ -244,7 +253,7 @@ def reduce_scatter(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum
         dist.all_reduce(flat, op=reduce_op, group=group)
         start = sum(c.numel() for c in chunks[:rank])
         out = flat[start:start + chunks[rank].numel()].view_as(chunks[rank]).clone()
-    if name in ("mean", "avg"):
+    if name in ("mean", "avg") and narrow is None:
         out.div_(world_size)
     return out if narrow is None else out.to(narrow)
 

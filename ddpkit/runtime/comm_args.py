@@ -28,6 +28,7 @@ REDUCE_OPS = {
     "bxor": dist.ReduceOp.BXOR,
 }
 _BITWISE = ("band", "bor", "bxor")
+_ORDERED = ("max", "min", "product", "prod")  # complex numbers have no order, and Gloo no complex product
 
 
 # every dtype torch has, by a code that is the same in every process (sorted by name)
@@ -37,6 +38,8 @@ DTYPE_CODES = {d: i for i, d in enumerate(DTYPES)}
 
 def parse_reduce_op(op: Any) -> tuple[str, Any]:
     # torch's own dist.ReduceOp.SUM etc., so that code written for dist.all_reduce ports unchanged
+    if isinstance(op, dist.ReduceOp) and not isinstance(op, dist.ReduceOp.RedOpType):  # ReduceOp(ReduceOp.SUM)
+        op = op.op
     torch_name = getattr(op, "name", None) if isinstance(op, dist.ReduceOp.RedOpType) else None
     if isinstance(torch_name, str) and torch_name.lower() in REDUCE_OPS:
         op = torch_name
@@ -47,8 +50,9 @@ def parse_reduce_op(op: Any) -> tuple[str, Any]:
 
 
 def check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any = None) -> None:
-    """A mean divides in place, which an integer tensor cannot hold, and a bitwise reduction needs bits
-    to combine: refuse either on every world size, naming the op as ``given``."""
+    """A mean divides in place, which an integer tensor cannot hold, a bitwise reduction needs bits to
+    combine, and torch reduces complex tensors by sum only: refuse these on every world size (torch
+    refuses the complex ones in a world of one too), naming the op as ``given``."""
     written = _as_written(given, op_name)
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(explain(f"{function}({written}) averages, which needs a floating-point tensor, got "
@@ -56,6 +60,9 @@ def check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any
     if op_name in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
         raise TypeError(explain(f"{function}({written}) is bitwise and needs an integer or bool tensor, "
                                 f"got {tensor.dtype}.", "reduce with op='max' or 'min', or convert the tensor."))
+    if op_name in _ORDERED and tensor.is_complex():  # torch's type and words: "does not support ... on complex"
+        raise ValueError(explain(f"{function} does not support {written} on complex tensors ({tensor.dtype}).",
+                                 "reduce torch.view_as_real(tensor) or tensor.abs() instead."))
 
 
 def _as_written(given: Any, op_name: str) -> str:
@@ -72,6 +79,7 @@ def check_tensor(name: str, tensor: Any) -> None:
 
 
 def widens(name: str, tensor: torch.Tensor) -> bool:
-    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504), and
-    dividing first would lose its small values: such a mean is summed in float32."""
+    """A 16-bit float's sum may overflow where its mean does not (fp16 tops out at 65504, bfloat16
+    at float32's largest), and dividing first in 16 bits would lose its small values: such a mean is
+    divided, then summed, in float32."""
     return name in ("mean", "avg") and tensor.is_floating_point() and tensor.element_size() <= 2

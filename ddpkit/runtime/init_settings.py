@@ -47,7 +47,7 @@ def choose_backend(backend: str | None, named: str = "backend") -> str:
     """``named``: where ``backend`` came from, for the error (init's argument or DDPKIT_BACKEND)."""
     if backend is None:
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    backend = backend.lower()
+    backend = _named_backend(backend, named).lower()
     if backend not in _BACKENDS:
         raise ValueError(f"{named}={backend!r} is not one of {_BACKENDS}.")
     if backend == "nccl" and not torch.cuda.is_available():
@@ -56,10 +56,17 @@ def choose_backend(backend: str | None, named: str = "backend") -> str:
     return backend
 
 
+def _named_backend(backend: object, named: str) -> str:
+    if not isinstance(backend, str):
+        raise ValueError(f"{named}={backend!r} must be a string, one of {_BACKENDS}.")
+    return backend
+
+
 def check_same_backend(backend: str | None) -> None:
     """A repeated ``init()`` returns the first one's group: it must not silently ignore a new backend."""
     if backend is None or not dist.is_initialized():
         return
+    _named_backend(backend, "backend")
     current = str(dist.get_backend()).lower()
     if backend.lower() not in current.replace(":", ",").split(","):
         raise ValueError(explain(

@@ -93,7 +93,8 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
 
     Raises:
         LauncherVariableError: contradictory launcher variables (a ValueError).
-        ValueError: an unknown backend, a bad timeout or stall_timeout (naming the variable), or
+        ValueError: an unknown backend, a bad timeout or stall_timeout (naming the variable), a
+            check_collectives that is not a bool (``"false"`` would have been true), or
             settings other than those of this process's earlier ``init()``.
         RendezvousError: the rendezvous did not complete within ``timeout`` (a RuntimeError).
     """

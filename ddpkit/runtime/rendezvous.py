@@ -199,7 +199,8 @@ def _wait_complete(env: DistEnv, store: dist.Store, group: dist.Store, address: 
         raise RendezvousError(explain(
             f"rendezvous at {address} timed out after {timeout.total_seconds():.0f} s: {joined} "
             f"(this is rank {env.rank}).",
-            "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."),
+            "a rank failed to start or was launched with a different MASTER_ADDR/MASTER_PORT or WORLD_SIZE."
+            + _scheduler_hints(env, environ)),
             address=address, timeout=timeout.total_seconds()) from e
     if refused is not None:
         raise RendezvousError(explain(

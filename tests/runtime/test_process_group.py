@@ -313,6 +313,22 @@ def test_rank_0_with_a_master_addr_not_of_this_host_keeps_its_deadline(address):
 
 
 @pytest.mark.timeout(60)
+def test_a_rendezvous_that_times_out_names_the_schedulers_count_of_processes():
+    # mpirun -np 1 -x WORLD_SIZE=2 ...: the rank it waits for was never started, and init(timeout=2)
+    # ends before the first notice (60 s) could say so
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**rank_env(0, 2, port, agent_store=False), "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name)
+    result = _run_python(INIT_WITH_SHORT_TIMEOUT, env)
+    assert result.returncode == 3, result.stderr
+    assert "only 1 of WORLD_SIZE=2 ranks joined, missing: rank 1" in result.stdout, result.stdout
+    assert "WORLD_SIZE=2 was set by hand, but OMPI_COMM_WORLD_SIZE=1 processes were started" in result.stdout
+
+
+@pytest.mark.timeout(60)
 def test_a_rank_that_joined_hears_why_when_rank_0_gives_up_first():
     with socket.socket() as probe:  # rank 0 hosts the store: it needs a port nobody holds
         probe.bind(("127.0.0.1", 0))

@@ -38,12 +38,16 @@ def read_settings(stall_timeout: float | None, check_collectives: bool | None,
     """Arguments win over ``DDPKIT_STALL_TIMEOUT`` / ``DDPKIT_CHECK_COLLECTIVES``.
 
     Raises:
-        ValueError: a value that is not a number of seconds >= 0, or not a yes/no, naming it.
+        ValueError: a value that is not a number of seconds >= 0, or not a yes/no, naming it (the
+            arguments take a number and a bool, the environment's text only there).
     """
     if stall_timeout is None:
         raw = environ.get("DDPKIT_STALL_TIMEOUT")
         stall = DEFAULT_STALL_TIMEOUT if raw is None or raw.strip() == "" else _seconds(raw, "DDPKIT_STALL_TIMEOUT")
     else:
+        if isinstance(stall_timeout, str):  # as init's timeout: a number in code, a string in the environment
+            raise ValueError(explain(f"stall_timeout={stall_timeout!r} is a string; pass a number of seconds.",
+                                     "e.g. stall_timeout=30; DDPKIT_STALL_TIMEOUT is the place for text."))
         stall = _seconds(stall_timeout, "stall_timeout")
     if check_collectives is None:
         raw = environ.get("DDPKIT_CHECK_COLLECTIVES", "").strip().lower()
@@ -52,8 +56,11 @@ def read_settings(stall_timeout: float | None, check_collectives: bool | None,
                                      "not a yes/no value.", "set it to 1 to compare every collective across "
                                      "ranks before it runs, or 0 (the default)."))
         check = raw in _TRUE
-    else:
+    elif not isinstance(check_collectives, str) and check_collectives in (False, True):  # 0 and 1 too
         check = bool(check_collectives)
+    else:  # bool("false") is True: only a real yes/no is taken as one
+        raise ValueError(explain(f"check_collectives={check_collectives!r} is not True, False or None.",
+                                 "pass a bool; DDPKIT_CHECK_COLLECTIVES=1 is the environment's spelling."))
     return HangSettings(stall, check)
 
 
