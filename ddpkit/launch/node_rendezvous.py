@@ -30,6 +30,7 @@ from ddpkit.launch.logs import say
 from ddpkit.launch.node_watch import NodeWatch, failure_key, read_key
 from ddpkit.launch.rendezvous import Layout, Rendezvous
 from ddpkit.launch.rendezvous_store import connect, host_node_store, number_this_node, try_hosting
+from ddpkit.runtime.environments.job import is_unnamed_run, unnamed_run_name
 from ddpkit.runtime.job_check import JobRecord, check_member, claim, read_owner, tell_of_intruders
 
 __all__ = ["NodeRendezvous"]
@@ -53,7 +54,8 @@ class NodeRendezvous(Rendezvous):
         self._watch: NodeWatch | None = None
         self._registered = False
         self._attempt: int | None = None
-        self._me = JobRecord.here(config.job_id, None, f"node {config.node_rank}'s ddpkit run")
+        who = "a node's ddpkit run" if config.assign_node_rank else f"node {config.node_rank}'s ddpkit run"
+        self._me = JobRecord.here(config.job_id, None, who)
         self._intruders = 0
 
     # ---------------------------------------------------------------------------------------- join
@@ -67,26 +69,34 @@ class NodeRendezvous(Rendezvous):
                 "of its own, the same on all of its nodes")
         if cfg.assign_node_rank:  # c10d: whoever binds the endpoint on its host is node 0
             self._server = try_hosting(cfg)
+            if self._server is not None:
+                self._me = JobRecord.here(cfg.job_id, None, "node 0's ddpkit run")
         elif cfg.node_rank == 0:
             self._server = host_node_store(cfg, self._error)
         if self._server is not None:
+            if cfg.job_id is None:  # its workers still name one job, so that a stray process is refused
+                self._named(unnamed_run_name())
             claim(self._server, self._me)
         self._store = connect(cfg, self._address, deadline, abort, self._error)
         store = self._store
         with self._node0_alive("join"):
+            if self._server is None:  # a node of another job must not join this one, nor take a number
+                raw = store.underlying_store  # type: ignore[attr-defined]
+                owner = read_owner(raw, self._me, deadline, False)
+                if cfg.job_id is None and is_unnamed_run(owner.job):
+                    self._named(owner.job)
+                check_member(raw, self._me, owner, self._address)
             if cfg.assign_node_rank:
                 rank = number_this_node(store, self._server is not None, cfg.nnodes, self._address, self._error)
-                cfg = self._config = replace(cfg, node_rank=rank)
-                self._me = JobRecord.here(cfg.job_id, None, f"node {rank}'s ddpkit run")
-            if cfg.node_rank != 0:  # a node of another job must not join this one
-                raw = store.underlying_store  # type: ignore[attr-defined]
-                check_member(raw, self._me, read_owner(raw, self._me, deadline, False), self._address)
+                self._config = replace(self._config, node_rank=rank)
+                self._me = JobRecord.here(self._me.job, None, f"node {rank}'s ddpkit run")
+            cfg = self._config
             self._check_nnodes(deadline, abort)
             me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
             if store.add(f"node/{cfg.node_rank}/claims", 1) > 1:
                 other = json.loads(store.get(f"node/{cfg.node_rank}"))
                 unnamed = ("; or, as this run has no --rdzv-id, a node of another run on this port took the "
-                           "place: give each run an --rdzv-id of its own") if cfg.job_id is None else ""
+                           "place: give each run an --rdzv-id of its own") if is_unnamed_run(cfg.job_id) else ""
                 raise self._error(explain(f"node rank {cfg.node_rank} already joined from {other['host']} "
                                           f"(pid {other['pid']}).",
                                           f"give every node a different --node-rank{unnamed}."))
@@ -97,7 +107,13 @@ class NodeRendezvous(Rendezvous):
             store.add("joined", 1)
             self._wait_all("joined", "node/{}", deadline, abort, "join", "joined")
             nprocs = [json.loads(store.get(f"node/{r}"))["nproc"] for r in range(cfg.nnodes)]
-        return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes, cfg.node_rank)
+        return Layout(sum(nprocs), sum(nprocs[:cfg.node_rank]), cfg.nnodes, cfg.node_rank, cfg.job_id)
+
+    def _named(self, job: str | None) -> None:
+        """An unnamed run's name, made by node 0 and taken by the others from its record (Note [Job
+        identity in the rendezvous]): this run's workers give it, a process of no run is refused."""
+        self._config = replace(self._config, job_id=job)
+        self._me = JobRecord.here(job, None, self._me.who)
 
     def _check_nnodes(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Node 0 publishes its --nnodes; every other node compares as soon as it is connected."""

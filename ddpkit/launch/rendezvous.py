@@ -27,13 +27,15 @@ __all__ = ["ask_where_they_are", "Layout", "listen", "host_store", "Rendezvous",
 
 @dataclass(frozen=True)
 class Layout:
-    """The job as every node sees it: total workers, this node's first rank, node count, and this
-    node's rank (numbered at the rendezvous with c10d)."""
+    """The job as every node sees it: total workers, this node's first rank, node count, this
+    node's rank (numbered at the rendezvous with c10d), and the job its workers name (an unnamed run
+    of several nodes is named at the rendezvous; None: the launcher's own)."""
 
     world_size: int
     rank_offset: int
     nnodes: int
     node_rank: int = 0
+    job_id: str | None = None
 
 
 def listen(bind_addr: str | None, port: int) -> socket.socket:

@@ -101,6 +101,8 @@ class Supervisor:
                 layout = self.rendezvous.join(self._aborted)
                 if layout.node_rank != self.config.node_rank:  # numbered at the rendezvous (c10d)
                     self.config = replace(self.config, node_rank=layout.node_rank)
+                if layout.job_id is not None:  # an unnamed run of several nodes, named there
+                    self.config = replace(self.config, job_id=layout.job_id)
                 for attempt in range(self.config.max_restarts + 1):
                     outcome = self.run_attempt(attempt, layout)
                     if outcome.final or attempt == self.config.max_restarts:

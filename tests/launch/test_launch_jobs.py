@@ -85,3 +85,101 @@ def test_a_node_of_another_run_is_refused_at_once_and_node_0_is_told(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+_ONE_ALL_REDUCE = """
+import torch, ddpkit
+env = ddpkit.init()
+t = torch.ones(1)
+ddpkit.all_reduce(t)
+print(f"rank {env.rank} of {env.world_size}: sum {t.item():g}", flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, process: subprocess.Popen, within: float = 30.0) -> None:
+    """Until the launcher that hosts the rendezvous accepts connections on ``port``."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and process.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on port {port} (launcher exit code {process.poll()})")
+
+
+def _launch(args: list[str], script: Path, **extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "ddpkit", "run", *args, str(script)] if args else
+                            [sys.executable, str(script)], env={**env, **extra}, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(processes: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """Every process's exit code and output, once it ends."""
+    return [(p.returncode, out + err) for p in processes for out, err in [p.communicate(timeout=60)]]
+
+
+def _kill_left(processes: list[subprocess.Popen]) -> None:
+    """None is left running, pass or fail."""
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_c10d_node_of_another_run_takes_no_node_number_from_the_run(tmp_path):
+    # it took number 1, so the run's own second node was "one past --nnodes" and node 0 waited out
+    # --rdzv-timeout for a node that had come
+    script, port = tmp_path / "one.py", _free_port()
+    script.write_text(_ONE_ALL_REDUCE)
+    c10d = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-timeout", "40"]
+    host = _launch([*c10d, "--rdzv-id", "job-y"], script)
+    processes = [host]
+    try:
+        _wait_listening(port, host)
+        stranger = _launch([*c10d, "--rdzv-id", "job-x"], script)
+        processes.append(stranger)
+        code, said = _finish([stranger])[0]
+        assert code == 1 and "belongs to another job: job run:job-y (node 0's ddpkit run" in said, said
+        processes.append(_launch([*c10d, "--rdzv-id", "job-y"], script))
+        (host_code, host_said), (code, joined_said) = _finish([host, processes[-1]])
+    finally:
+        _kill_left(processes)
+    assert (host_code, code) == (0, 0), host_said + joined_said
+    assert "job run:job-x (a node's ddpkit run" in host_said and "was refused" in host_said, host_said
+    assert "rank 0 of 2: sum 2" in host_said and "rank 1 of 2: sum 2" in joined_said
+
+
+@pytest.mark.timeout(120)
+def test_an_unnamed_run_of_several_nodes_refuses_a_stray_process_of_no_job(tmp_path):
+    # RANK=1 ... python train.py by hand on the run's port joined its process group, and the run's own
+    # rank 1 was then refused as "joined twice"
+    script, port = tmp_path / "one.py", _free_port()
+    script.write_text(_ONE_ALL_REDUCE)
+    static = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--rdzv-timeout", "40"]
+    node0 = _launch([*static, "--node-rank", "0"], script)
+    processes = [node0]
+    try:
+        _wait_listening(port, node0)
+        stray = _launch([], script, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        processes.append(stray)
+        code, said = _finish([stray])[0]
+        assert code == 1 and "belongs to another job: job unnamed-run:" in said, said
+        assert "This is an unnamed job (rank 1" in said
+        processes.append(_launch([*static, "--node-rank", "1"], script))
+        (code0, said0), (code1, said1) = _finish([node0, processes[-1]])
+    finally:
+        _kill_left(processes)
+    assert (code0, code1) == (0, 0), said0 + said1
+    assert "an unnamed job (rank 1" in said0 and "was refused" in said0, said0
+    assert "rank 0 of 2: sum 2" in said0 and "rank 1 of 2: sum 2" in said1

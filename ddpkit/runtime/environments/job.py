@@ -13,19 +13,24 @@ name, and ranks of different jobs different ones, so each launcher's own job id 
 
 Under mpirun the MPI id comes before SLURM's, since an mpirun inside a batch script inherits the batch
 step's SLURM variables. A job none of them names is ``None``, "unnamed": it is still checked for its
-WORLD_SIZE and for ranks that join twice, but two unnamed jobs cannot be told apart.
+WORLD_SIZE and for ranks that join twice, but two unnamed jobs cannot be told apart. ``ddpkit run`` on
+several nodes without a name gets one at its rendezvous (``unnamed_run_name``), made by node 0 and
+taken by the nodes that join it, so that its workers at least refuse a process of no job.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Mapping
 
-__all__ = ["job_id", "slurm_step", "SLURM_BATCH_STEPS", "USER_VARIABLE"]
+__all__ = ["job_id", "slurm_step", "SLURM_BATCH_STEPS", "USER_VARIABLE", "unnamed_run_name", "is_unnamed_run"]
 
 USER_VARIABLE = "DDPKIT_JOB_ID"
 
 SLURM_BATCH_STEPS = {"4294967294": "batch", "4294967295": "extern", "4294967293": "interactive",
                      "batch": "batch", "extern": "extern", "interactive": "interactive"}
 """SLURM's special step ids (and names): the batch script, the extern step, salloc's shell."""
+
+_UNNAMED_RUN = "unnamed-run:"
 
 _MPI_IDS = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE", "PMI_JOBID")
 
@@ -73,3 +78,13 @@ def _mpi(environ: Mapping[str, str]) -> str | None:
         if value:
             return f"mpi:{value}"
     return None
+
+
+def unnamed_run_name() -> str:
+    """A fresh name for a run of several nodes that has none (no --rdzv-id, no scheduler's job)."""
+    return f"{_UNNAMED_RUN}{uuid.uuid4().hex[:16]}"
+
+
+def is_unnamed_run(job: str | None) -> bool:
+    """Whether ``job`` is a name ``unnamed_run_name`` made: a node of an unnamed run takes it."""
+    return job is not None and job.startswith(_UNNAMED_RUN)
