@@ -32,14 +32,16 @@ _HINTS = {
 }
 
 
-def describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int, report_below: bool = False) -> str:
     """``exit code 1``, or for -9 ``killed by SIGKILL (signal 9, exit code 137): possibly out of memory ...``.
 
     ``returncode`` is Popen's: negative when a signal ended the process. A process that exits with
     code 137 by itself (a shell whose child was killed, ``sys.exit(137)``) was not killed by a signal.
+    ``report_below``: the summary shows this process's last lines, where its hang report is.
     """
     if returncode == HANG_EXIT_CODE:
-        return f"exit code {returncode}: ddpkit found a certain deadlock (its hang report is below)"
+        where = "its hang report is below" if report_below else "its output holds its hang report"
+        return f"exit code {returncode}: ddpkit found a certain deadlock ({where})"
     if returncode >= 0:
         return f"exit code {returncode}"
     try:
@@ -115,7 +117,7 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     title = "the job failed" if restart is None else f"attempt failed; restart {restart} follows"
     lines = [_RULE, f"ddpkit run: {title}", _RULE,
              f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
-             f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0)}"]
+             f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0, report_below=True)}"]
     also = [w for w in workers if w.state == "failed" and w is not failed]
     if also:
         lines.append("also failed, before they were stopped: " + ", ".join(

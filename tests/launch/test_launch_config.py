@@ -171,6 +171,9 @@ def test_exit_descriptions_name_the_signal_and_hint_at_oom():
         "killed by SIGKILL (signal 9, exit code 137): possibly out of memory")
     assert describe_exit(-11).startswith("killed by SIGSEGV")
     assert describe_exit(137) == "exit code 137"  # exited by itself, e.g. a shell: not a signal
+    # the summary shows one rank's last lines: another rank's hang report is not below it
+    assert describe_exit(86, report_below=True).endswith("(its hang report is below)")
+    assert describe_exit(86).endswith("(its output holds its hang report)")
 
 
 def test_the_summary_shows_the_last_traceback():
