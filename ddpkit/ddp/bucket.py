@@ -286,6 +286,13 @@ class Bucket(GradBucketBasics):
         own = self._hook_data
         if result is own:
             return
+        if isinstance(result, (list, tuple)):  # work.get_future()'s own value: torch's reducer refuses it too
+            raise CommHookError(explain(
+                f"the future of comm hook {hook_name} for bucket {self._index} holds a {type(result).__name__} "
+                f"of {len(result)}, not a tensor (torch's DDP: \"Unable to cast\" it \"to Tensor\"): a "
+                "collective's work.get_future() completes with the list of its tensors.",
+                "return dist.all_reduce(...).get_future().then(lambda fut: fut.value()[0]), as "
+                "ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
         if not isinstance(result, torch.Tensor) or result.numel() != own.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)

@@ -203,8 +203,6 @@ class Collectives:
                     f"the future of comm hook {name} for bucket {bucket.index()} failed: {type(e).__name__}: {e}",
                     "the hook's own error is the cause, shown above.", who="DistributedDataParallel",
                     rank=self.rank), rank=self.rank, hook=name) from e
-            if isinstance(result, (list, tuple)) and len(result) == 1:
-                result = result[0]
             bucket.take_result(result, name, self.rank)
 
     def _failed(self, tail: Tail, last: Bucket) -> bool:

@@ -491,3 +491,35 @@ def test_a_rank_that_lists_rank_0s_parameters_in_another_order_is_warned():
                               "order than rank 0: tensor #0 is 'b.weight' here and 'a.weight' on rank 0 "
                               "(shape [4, 4] on both)."), warning
     assert "HINT: build the model the same way on every rank" in warning
+
+
+class _Scaled(nn.Module):
+    """A parameter of the wrapped module itself (``scale``), beside a submodule's."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.scale = nn.Parameter(torch.full((2,), scale))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _root_parameter_on_the_ignore_list():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, x = _Scaled(float(rank + 1)), torch.full((3, 4), float(rank + 1))
+    alone = copy.deepcopy(model)
+    alone(x).sum().backward()
+    ddpkit.DDP._set_params_and_buffers_to_ignore_for_model(model, ["scale"])
+    ddpkit.DDP(model)(x).sum().backward()
+    return model.scale.tolist(), torch.equal(model.scale.grad, alone.scale.grad), model.lin.weight.grad.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_of_the_module_itself_on_the_ignore_list_is_neither_broadcast_nor_averaged():
+    # torch's reducer compares ".scale" (module name "" + "." + name) with the list, so averages it
+    # anyway (docs/torch-compat.md); the submodule's gradient is averaged as usual
+    (scale0, own0, lin0), (scale1, own1, lin1) = run_ranks(_root_parameter_on_the_ignore_list, 2)
+    assert (scale0, scale1) == ([1.0, 1.0], [2.0, 2.0]) and own0 and own1
+    assert lin0 == lin1
