@@ -110,14 +110,18 @@ def failure_info(worker: Worker, node_rank: int) -> dict:
 
 
 def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
-                    log_file: str | None, restart: str | None = None) -> str:
+                    log_file: str | None, restart: str | None = None, consequence: bool = False) -> str:
     """The block printed to stderr when a worker on this node failed; ``restart``: the restart that
-    follows (``1 of at most 3``), where the job goes on."""
+    follows (``1 of at most 3``), where the job goes on; ``consequence``: the worker said its
+    collective failed because a peer went away, and no failure of this node's came before it."""
     place = failed.place
     title = "the job failed" if restart is None else f"attempt failed; restart {restart} follows"
     lines = [_RULE, f"ddpkit run: {title}", _RULE,
              f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
              f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0, report_below=True)}"]
+    if consequence and failed.process.returncode != HANG_EXIT_CODE:
+        lines.append("which is a consequence: its collective failed because a rank it waited on went away, and "
+                     "no rank on this node failed first; its hang report below says which rank, and how.")
     also = [w for w in workers if w.state == "failed" and w is not failed]
     if also:
         lines.append("also failed, before they were stopped: " + ", ".join(

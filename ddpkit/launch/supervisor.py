@@ -140,7 +140,8 @@ class Supervisor:
             log = log_path(self._log_dir, attempt, outcome.failed.rank) if self._log_dir else None
             restarts = self.config.max_restarts
             restart = f"{attempt + 1} of at most {restarts}" if attempt < restarts and not outcome.final else None
-            say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log, restart))
+            say(failure_summary(outcome.failed, self._workers, self.config.node_rank, log, restart,
+                                consequence=self._is_consequence(outcome.failed)))
         elif outcome.kind == "signal":
             _say(f"received {self.stop_signal.name}: stopped all workers")
         elif outcome.kind == "succeeded":

@@ -408,6 +408,26 @@ def test_a_rank_that_left_with_code_0_before_the_failure_is_named(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_failure_that_is_a_consequence_of_a_rank_elsewhere_says_so(tmp_path):
+    """Another node's launcher killed: this node's ranks fail in Gloo ("Connection closed by peer"),
+    and the summary's first line, "exit code 1", must not read as the cause."""
+    supervisor = Supervisor(parse_args(["--nproc-per-node", "1", "--no-python", "sh"], environ={}))
+    supervisor._inbox = SignalInbox()  # not installed: the test sends no signal
+    said = tmp_path / "consequence"  # what ddpkit.runtime.hangs creates in the worker
+    supervisor._consequence_files = {0: str(said)}
+    worker = spawn_worker(("sh", "-c", f"touch {said}; exit 1"), dict(os.environ), Placement(0, 0, 1, 1, 0, 1), None)
+    worker.process.wait(timeout=20)
+    supervisor._workers = [worker]
+    outcome = supervisor.watch()
+    summary = failure_summary(outcome.failed, [worker], 0, None, consequence=supervisor._is_consequence(worker))
+    assert "exit code 1\nwhich is a consequence: its collective failed because a rank it waited on went away" \
+        in summary, summary
+    said.unlink()
+    assert "consequence" not in failure_summary(outcome.failed, [worker], 0, None,
+                                                consequence=supervisor._is_consequence(worker))
+
+
+@pytest.mark.timeout(60)
 def test_restart_increments_the_restart_count(job, tmp_path):
     code, _, err = job.run("--nproc-per-node", "2", "--max-restarts", "2", "--grace-period", "5",
                            WORKER, str(tmp_path), "fail-once", "1")
