@@ -1,6 +1,8 @@
 """The recorder lets go of a finished async collective's Work: a Work keeps its tensors alive."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,3 +34,26 @@ def test_a_reductions_name_is_the_same_however_torch_is_given_it():
     assert _reduction_name(dist.ReduceOp.MAX) == _reduction_name(dist.ReduceOp(dist.ReduceOp.MAX)) == "max"
     assert _reduction_name(None) == _reduction_name(dist.ReduceOp(dist.ReduceOp.SUM)) == "sum"
     assert _reduction_name(dist.ReduceOp.AVG) == "avg"
+
+
+def _a_forked_child_exits():
+    import atexit
+
+    rank = dist.get_rank()
+    if rank == 0:
+        pid = os.fork()
+        if pid == 0:  # the child ends as a script does: its atexit handlers run (ddpkit's too)
+            atexit._run_exitfuncs()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    from ddpkit.runtime.process_group import _watch
+
+    said = _watch[0].inquiry.store.check([f"final/{rank}"])
+    dist.barrier()
+    return said
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_that_exits_leaves_no_last_word_for_its_parent_rank():
+    # the child's word read "rank 0 has exited", and the watchdog ended a rank that was only slow
+    assert run_ranks(_a_forked_child_exits, 2) == [False, False]

@@ -46,6 +46,7 @@ class HangWatch:
         self.recorder.failed = self._collective_failed
         self._asked = False  # a failed collective's inquiry has run already
         self._exit_site: str | None = None  # where the main thread called sys.exit()
+        self._pid = os.getpid()  # a child of os.fork() inherits the hooks, but is not the rank
 
     def begin(self) -> None:
         self.inquiry.introduce()
@@ -61,7 +62,7 @@ class HangWatch:
     def _exiting(self, status: object = None) -> NoReturn:
         """``sys.exit`` while the group lives: note where it was called, for the ranks still waiting
         on this one (Python keeps no trace of a SystemExit that ends the script), then exit."""
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and os.getpid() == self._pid:
             self._exit_site = f"sys.exit({status!r:.80}) at {format_site(call_site(2)[0])}"
         self._sys_exit(status)
 
@@ -92,6 +93,8 @@ class HangWatch:
         self.recorder.forget()
 
     def _at_exit(self) -> None:
+        if os.getpid() != self._pid:  # a forked child ends: its last word would be taken for the rank's
+            return
         error = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script
         if error is None:
             self.end("exit", error=self._exit_site)
