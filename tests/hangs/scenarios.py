@@ -63,6 +63,15 @@ def different_op(rank: int) -> None:
         dist.broadcast(t, src=0)  # <- op-1
 
 
+def monitored_barrier_on_one_rank(rank: int) -> None:
+    """Rank 0 waits in dist.monitored_barrier(), which the recorder numbered as any collective; rank 1
+    went on to the next all-reduce."""
+    t = torch.ones(3)
+    if rank == 0:
+        dist.monitored_barrier()  # <- monitored
+    dist.all_reduce(t)  # <- monitored-skipped
+
+
 def both_receive_first(rank: int) -> None:
     """A pipeline's exchange written the wrong way round: both ranks receive before they send."""
     buffer = torch.zeros(4)

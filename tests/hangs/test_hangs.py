@@ -95,6 +95,19 @@ def test_different_op_is_a_certain_deadlock(tmp_path):
     assert job.seconds < PROMPT
 
 
+def test_a_monitored_barrier_is_recorded_as_a_collective(tmp_path):
+    # unrecorded, a rank waiting in it alone gave no report at all, and one beside another
+    # collective was told to call dist.monitored_barrier(), which it did
+    job = run_job("monitored_barrier_on_one_rank", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
+    for text in job.logs:
+        verdict = _verdict(text)
+        assert f"rank 0 monitored_barrier #1 at {line_of('monitored')}" in verdict, verdict
+        assert f"rank 1 all_reduce #1 float32[3] at {line_of('monitored-skipped')}" in verdict
+        assert "does not record" not in text
+    assert job.seconds < PROMPT
+
+
 def test_different_shapes_name_the_rank_gloo_crashed_and_the_survivors_call(tmp_path):
     # Gloo aborts the rank whose buffer is too small (SIGABRT, in C++): the other rank's all-reduce
     # raises at once, and the inquiry finds the crashed process gone

@@ -31,7 +31,7 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "all_gather_into_tensor": ("input_tensor", None), "reduce_scatter": ("output", None),
     "reduce_scatter_tensor": ("input", None), "reduce": ("tensor", "dst"), "gather": ("tensor", "dst"),
     "scatter": ("tensor", "src"), "all_to_all": ("input_tensor_list", None),
-    "all_to_all_single": ("input", None), "barrier": (None, None),
+    "all_to_all_single": ("input", None), "barrier": (None, None), "monitored_barrier": (None, None),
 }
 _RING = 64
 INSTALLED: list[Recorder] = []  # the recorders wrapping torch's collectives now (one per process)
@@ -186,7 +186,8 @@ class Recorder:
 
     def _wrap(self, op: str, fn: Callable, tensor_arg: str | None, root_arg: str | None) -> Callable:
         names = list(inspect.signature(fn).parameters)
-        group_at, async_at = names.index("group"), names.index("async_op")
+        group_at = names.index("group")
+        async_at = names.index("async_op") if "async_op" in names else len(names)  # monitored_barrier blocks
         tensor_at = names.index(tensor_arg) if tensor_arg else None
         root_at = names.index(root_arg) if root_arg else None
         reduce_at = names.index("op") if "op" in names else None  # the reductions: strict mode compares it
