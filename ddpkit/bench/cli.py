@@ -19,6 +19,8 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+from ddpkit.bench.arguments import check_values
+
 __all__ = ["main", "parse_args", "parse_all"]
 
 _TABLE_ALIASES = {"1": "collectives", "2": "ddp", "3": "buckets", "4": "memory",
@@ -75,7 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _names(parser: argparse.ArgumentParser, flag: str, text: str, known: Sequence[str]) -> tuple[str, ...]:
-    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    names = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))  # each once
     if not names or any(m not in known for m in names):
         parser.error(f"{flag} {text!r}: expected a comma list of {list(known)}.")
     return names
@@ -137,6 +139,7 @@ def parse_args(argv: list[str], nproc: int | None = None):
         except ImportError:
             parser.error("--plot needs matplotlib, which is not installed. "
                          "HINT: pip install 'ddpkit[plot]' (or matplotlib).")
+    check_values(parser, args, [_TABLE_ALIASES[t] for t in tables])
     backend = args.backend or ("gloo" if args.device == "cpu" else _default_backend())
     if args.device == "cuda" and not _cuda():
         parser.error("--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() "

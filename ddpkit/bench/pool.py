@@ -37,6 +37,11 @@ def load_ddp_rounds(path: str) -> tuple[tuple, list[dict]]:
     if not rows:
         raise BenchFileError(f"--pool {path!r}: no DDP step rounds in it. HINT: pool the --json files of "
                              "runs that included table 2, e.g. ddpkit bench --tables ddp --json run1.json.")
+    malformed = next((i for i, r in enumerate(rows) if not isinstance(r, dict) or not {"model", "variant"} <= r.keys()),
+                     None) if isinstance(rows, list) else 0
+    if malformed is not None:
+        raise BenchFileError(f"--pool {path!r}: DDP step row {malformed} lacks its model or variant: not a file "
+                             "ddpkit bench --json wrote, or one edited since.")
     meta = data.get("meta", {})
     config = meta.get("config", {})  # --quick builds smaller models, --steps changes what a round is
     return (meta.get("world_size"), meta.get("backend"), meta.get("device"), bool(config.get("quick")),

@@ -240,8 +240,11 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         elif assign and args.master_port is None:
             args.master_port = C10D_PORT
     master_port = None if args.master_port is None else int(args.master_port)
+    if master_port == 0 and nnodes == 1:
+        master_port = None  # torchrun's "any free port", as --rdzv-endpoint HOST:0
     if master_port is not None and not 0 < master_port < 65536:
-        raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535].")
+        raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535] (0, any free port, "
+                         "serves one node only).")
     if nnodes > 1 and master_port is None:  # under srun/mpirun, every node derives its job's port
         master_port = job_port(environ)
     master_addr = str(args.master_addr)

@@ -50,6 +50,10 @@ def choose_backend(backend: str | None, named: str = "backend") -> str:
     backend = _named_backend(backend, named).lower()
     if backend not in _BACKENDS:
         raise ValueError(f"{named}={backend!r} is not one of {_BACKENDS}.")
+    available = getattr(dist, f"is_{backend}_available", None)
+    if backend in ("mpi", "ucc", "xccl") and available is not None and not available():
+        raise ValueError(explain(f"{named}={backend!r}, but this build of torch has no {backend} backend "
+                                 f"(torch.distributed.is_{backend}_available() is False).", f"use {named}='gloo'."))
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(explain(f"{named}='nccl' needs CUDA, and torch.cuda.is_available() is False.",
                                  f"use {named}='gloo' on CPU."))

@@ -194,8 +194,19 @@ def test_statistics_and_formatting():
     (["--nproc", "0"], "--nproc"),
     (["--backend", "nccl", "--device", "cpu"], "NCCL reduces CUDA tensors only"),
     (["--device", "tpu"], "--device"),
+    # found before any rank starts (they ended in a rank's traceback, or in a lost --json after the run)
+    (["--threads", "-2"], "--threads must be >= 1, got -2"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),  # 0 meant the default
+    (["--max-size", "-1"], "--max-size must be >= 1, got -1"),  # an empty table, exit code 0
+    (["--timeout", "-5"], "--timeout must be a number of seconds > 0, got -5"),
+    (["--backend", "foo"], "--backend 'foo' is not one of gloo, nccl"),
+    (["--backend", "mpi"], "this build of torch has no mpi backend"),
+    (["--json", "/nonexistent-ddpkit/x.json"], "the directory '/nonexistent-ddpkit' does not exist"),
+    (["--json", "/"], "--json '/' is a directory"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(argv, message, capsys):
+    if argv == ["--backend", "mpi"] and torch.distributed.is_mpi_available():
+        pytest.skip("this torch has MPI built in")
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2
@@ -254,6 +265,16 @@ def test_peak_ratios_pair_each_ddpkit_figure_with_torchs():
             for impl, view, peak in (("ddpkit", False, 50), ("torch", False, 100), ("ddpkit", True, 80),
                                      ("torch", True, 80))]
     assert peak_ratios(rows) == {("m", False): 0.5, ("m", True): 1.0}
+
+
+def test_plot_paths_are_checked_before_the_run_and_models_counted_once(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for argv, message in ((["--tables", "big", "--plot", str(tmp_path / "p.png")], "has none of them"),
+                          (["--plot", str(tmp_path / "p.txt")], "named by the file's extension")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--models", "small,small,large"]).models == ("small", "large")
 
 
 def test_table_numbers_select_tables():

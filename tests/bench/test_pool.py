@@ -101,6 +101,7 @@ def test_pool_keeps_quick_runs_apart_and_gives_no_verdict_on_too_few_rounds(tmp_
     (None, "cannot read it"),
     ("{not json", "not JSON"),
     (json.dumps({"meta": {}, "memory": []}), "no DDP step rounds in it. HINT: pool the --json files"),
+    (json.dumps({"ddp_step": {"rows": [{"variant": "ddpkit"}]}}), "row 0 lacks its model or variant"),  # KeyError
 ])
 def test_pool_names_the_file_it_cannot_use(tmp_path, capsys, content, message):
     path = tmp_path / "bad.json"

@@ -62,6 +62,10 @@ def test_nnodes_accepts_a_number_and_rejects_an_elastic_range():
 def test_several_nodes_default_to_torchruns_port_one_node_to_a_free_one():
     assert parse_args(["--nnodes", "2", "t.py"], environ={}).master_port == 29500
     assert parse_args(["t.py"], environ={}).master_port is None
+    # torchrun's --master-port 0: any free port, on one node (the others could not learn it)
+    assert parse_args(["--master-port", "0", "t.py"], environ={}).master_port is None
+    with pytest.raises(ValueError, match=r"--master-port 0 is not a TCP port .*0, any free port, serves one node"):
+        parse_args(["--nnodes", "2", "--master-port", "0", "t.py"], environ={})
 
 
 def test_standalone_ignores_the_master_address_and_port():

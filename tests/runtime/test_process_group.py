@@ -58,10 +58,11 @@ def test_contradictory_variables_fail_before_any_network(single_process, monkeyp
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("backend, message", [("tcp", "is not one of"), ("nccl", "needs CUDA")])
+@pytest.mark.parametrize("backend, message", [("tcp", "is not one of"), ("nccl", "needs CUDA"),
+                                              ("mpi", "this build of torch has no mpi backend")])
 def test_bad_backend_is_named(single_process, backend, message):
-    if backend == "nccl" and torch.cuda.is_available():
-        pytest.skip("NCCL is usable on this machine")
+    if backend == "nccl" and torch.cuda.is_available() or backend == "mpi" and dist.is_mpi_available():
+        pytest.skip(f"{backend} is usable on this machine")
     with pytest.raises(ValueError, match=message):
         ddpkit.init(backend=backend)
 
