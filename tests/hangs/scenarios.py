@@ -80,6 +80,23 @@ def both_receive_first(rank: int) -> None:
     dist.send(torch.ones(4), dst=1 - rank)
 
 
+def send_to_a_rank_in_a_barrier(rank: int) -> None:
+    """Rank 0 sends to rank 1, which went on to a barrier instead of receiving."""
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1)  # <- send-unmatched
+    dist.barrier()  # <- send-barrier
+
+
+def tags_that_differ(rank: int) -> None:
+    """A pipeline's exchange whose tags disagree: rank 0 sends with tag 1, rank 1 receives tag 2."""
+    dist.all_reduce(torch.ones(1))
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1, tag=1)  # <- send-tag
+    else:
+        dist.recv(torch.zeros(4), src=0, tag=2)  # <- recv-tag
+
+
 def different_shapes(rank: int) -> None:
     dist.all_reduce(torch.ones(10 if rank == 0 else 20))  # <- shapes
 

@@ -85,6 +85,23 @@ def test_ranks_that_all_wait_in_recv_are_reported_and_end(tmp_path):
     assert job.seconds < PROMPT
 
 
+@pytest.mark.parametrize("scenario, said", [
+    ("send_to_a_rank_in_a_barrier",
+     f"rank 0 waits in send() to rank 1 with tag 0 at {line_of('send-unmatched')}"),
+    ("tags_that_differ",
+     f"rank 0 waits in send() to rank 1 with tag 1 at {line_of('send-tag')}"),
+])
+def test_a_send_its_destination_cannot_receive_is_a_certain_deadlock(tmp_path, scenario, said):
+    # a send may be a long transfer, so it was judged slow, and the job hung for good
+    job = run_job(scenario, 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [HANG_EXIT_CODE] * 2, job.log()
+    verdict = _verdict(job.logs[0])
+    assert said in verdict, verdict
+    assert "which is never received: rank 1 waits in " + (
+        "a collective" if scenario == "send_to_a_rank_in_a_barrier" else "recv() from rank 0 with tag 2") in verdict
+    assert job.seconds < PROMPT
+
+
 def test_different_op_is_a_certain_deadlock(tmp_path):
     job = run_job("different_op", 2, tmp_path, stall_timeout=STALL)
     assert job.codes == [HANG_EXIT_CODE] * 2, job.log()

@@ -17,8 +17,10 @@ from ddpkit.runtime.hangs.states import (
     first_waiting,
     kind,
     missing_sentence,
+    p2p_call,
     plural,
     rank_list,
+    unmatched_send,
     unrecorded,
     waiting_in,
 )
@@ -192,14 +194,22 @@ def _judge(answers: dict[int, dict], missing: dict[int, dict], answer_seconds: f
     if not busy and not can_complete and waiting_groups and not perhaps_busy:
         certain = True
     receiving = [r for r in busy if blocked_in_p2p(answers[r]) == "recv"]
-    if receiving and len(receiving) == len(busy) and not can_complete and not perhaps_busy:
-        # a rank in send may be in the middle of a long transfer; one in recv waits for a rank that
-        # is itself waiting in a collective or a recv, so nothing will ever be sent
-        one, others = len(receiving) == 1, ("every other rank waits in a collective or a recv"
-                                            if len(receiving) < len(answers) else "so does every other rank")
-        sentences.append(f"{rank_list(receiving)} wait{'s' if one else ''} in recv() at "
-                         f"{_where(answers[receiving[0]])}, a point-to-point call, and {others}: no rank is "
-                         "left to send.")
+    # a rank in send may be in the middle of a long transfer, unless its destination cannot take it
+    stuck = {r: why for r in busy if blocked_in_p2p(answers[r]) == "send" and (why := unmatched_send(answers, r))}
+    for r, why in stuck.items():
+        sentences.append(f"rank {r} waits in {p2p_call(answers[r], 'send')} at {_where(answers[r])}, which is never "
+                         f"received: {why}.")
+    if (receiving or stuck) and len(receiving) + len(stuck) == len(busy) and not can_complete and not perhaps_busy:
+        # one in recv waits for a rank that is itself waiting in a collective, a recv or such a send,
+        # so nothing will ever be sent
+        elsewhere = "a collective, a recv or a send never received" if stuck else "a collective or a recv"
+        one, others = len(receiving) == 1, (f"every other rank waits in {elsewhere}" if len(receiving) < len(answers)
+                                            else "so does every other rank")
+        if receiving:
+            call = p2p_call(answers[receiving[0]], "recv") if one else "recv()"
+            sentences.append(f"{rank_list(receiving)} wait{'s' if one else ''} in {call} "
+                             f"at {_where(answers[receiving[0]])}, a point-to-point call, and {others}: no rank is "
+                             "left to send.")
         certain = True
     certain = _judge_unrecorded(answers, busy, sentences, can_complete or bool(perhaps_busy)) or certain
     return sentences, certain

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "missing_sentence", "plural",
-           "rank_list", "divergence"]
+__all__ = ["first_waiting", "waiting_in", "unrecorded", "kind", "blocked_in_p2p", "p2p_call", "unmatched_send",
+           "missing_sentence", "plural", "rank_list", "divergence"]
 
 
 def first_waiting(state: dict[str, Any]) -> tuple[dict, dict] | None:
@@ -56,6 +56,37 @@ def blocked_in_p2p(state: dict[str, Any]) -> str | None:
     the recorder does not number (its peer, not its group, must match it)."""
     found = _C10D_CALL.search(state.get("top") or "")
     return found.group(1) if found and found.group(1) in ("recv", "send") else None
+
+
+def p2p_call(state: dict[str, Any], op: str) -> str:
+    """``send() to rank 1 with tag 2``, as far as the rank's published call says (``op()`` alone
+    where it says nothing)."""
+    call = state.get("p2p")
+    if not call or call.get("op") != op:
+        return f"{op}()"
+    side = "to" if call.get("op") == "send" else "from"
+    peer = "any rank" if call.get("peer") is None else f"rank {call['peer']}"
+    tag = "" if call.get("tag") is None else f" with tag {call['tag']}"
+    return f"{call.get('op', 'a point-to-point call')}() {side} {peer}{tag}"
+
+
+def unmatched_send(answers: dict[int, dict], rank: int) -> str | None:
+    """Why ``rank``'s blocking send can never be received, or None where it may be (its destination
+    receives it, or computes and may yet): the destination waits in a collective, sends to this
+    rank too, or receives from it with another tag."""
+    call = answers[rank].get("p2p") or {}
+    peer = call.get("peer")
+    if call.get("op") != "send" or peer not in answers:
+        return None
+    theirs = answers[peer].get("p2p")
+    if theirs is None:
+        return f"rank {peer} waits in a collective" if first_waiting(answers[peer]) is not None else None
+    if theirs["op"] == "send" and theirs.get("peer") == rank:
+        return f"rank {peer} waits in {p2p_call(answers[peer], 'send')} as well"
+    tags = (call.get("tag"), theirs.get("tag"))
+    if theirs["op"] == "recv" and theirs.get("peer") in (rank, None) and None not in tags and tags[0] != tags[1]:
+        return f"rank {peer} waits in {p2p_call(answers[peer], 'recv')}"
+    return None
 
 
 def missing_sentence(rank: int, info: dict[str, Any], answer_seconds: float) -> str:

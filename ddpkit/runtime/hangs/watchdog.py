@@ -74,7 +74,7 @@ def snapshot(recorder: Recorder, rank: int, main_thread: int | None, where: str 
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
             "where": where or (format_site(user) if user else None), "top": format_site(top) if top else None,
             "handling": None if handling is None else describe_error(handling),
-            "dead_threads": list(dead_threads or ()),
+            "dead_threads": list(dead_threads or ()), "p2p": recorder.p2p.call_of(main_thread),
             "groups": [log.snapshot(now) for log in recorder.groups()]}
 
 
