@@ -286,20 +286,16 @@ class Bucket(GradBucketBasics):
         own = self._hook_data
         if result is own:
             return
-        if isinstance(result, (list, tuple)):  # work.get_future()'s own value: torch's reducer refuses it too
-            raise CommHookError(explain(
-                f"the future of comm hook {hook_name} for bucket {self._index} holds a {type(result).__name__} "
-                f"of {len(result)}, not a tensor (torch's DDP: \"Unable to cast\" it \"to Tensor\"): a "
-                "collective's work.get_future() completes with the list of its tensors.",
-                "return dist.all_reduce(...).get_future().then(lambda fut: fut.value()[0]), as "
-                "ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
         if not isinstance(result, torch.Tensor) or result.numel() != own.numel():
-            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
-                   else type(result).__name__)
+            listed = isinstance(result, (list, tuple))  # work.get_future()'s own value: torch refuses it too
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else
+                   f"a {type(result).__name__} of {len(result)}, not a tensor (torch's DDP: \"Unable to cast\" it "
+                   "\"to Tensor\")" if listed else type(result).__name__)
             raise CommHookError(explain(
                 f"the future of comm hook {hook_name} for bucket {self._index} holds {got}, but the bucket "
-                f"has {own.numel()} elements.", "complete the future with the reduced bucket.buffer() (a "
-                "tensor of the same size), as ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
+                f"has {own.numel()} elements.", ("return dist.all_reduce(...).get_future().then(lambda fut: "
+                "fut.value()[0])" if listed else "complete the future with the reduced bucket.buffer() (a "
+                "tensor of the same size)") + ", as ddpkit.hooks.allreduce_hook does."), rank=rank, hook=hook_name)
         own.copy_(result.reshape(-1))
 
     def __repr__(self) -> str:

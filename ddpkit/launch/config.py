@@ -240,8 +240,7 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         elif assign and args.master_port is None:
             args.master_port = C10D_PORT
     master_port = None if args.master_port is None else int(args.master_port)
-    if master_port == 0 and nnodes == 1:
-        master_port = None  # torchrun's "any free port", as --rdzv-endpoint HOST:0
+    master_port = None if master_port == 0 and nnodes == 1 else master_port  # torchrun's 0: any free port
     if master_port is not None and not 0 < master_port < 65536:
         raise ValueError(f"--master-port {master_port} is not a TCP port in [1, 65535] (0, any free port, "
                          "serves one node only).")

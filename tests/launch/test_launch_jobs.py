@@ -113,11 +113,11 @@ def _wait_listening(port: int, process: subprocess.Popen, within: float = 30.0) 
     raise AssertionError(f"nothing listens on port {port} (launcher exit code {process.poll()})")
 
 
-def _launch(args: list[str], script: Path, **extra: str) -> subprocess.Popen:
+def _launch(args: list[str], script: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, "-m", "ddpkit", "run", *args, str(script)] if args else
-                            [sys.executable, str(script)], env={**env, **extra}, cwd=REPO, text=True,
+                            [sys.executable, str(script)], env={**env, **(extra or {})}, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -134,6 +134,22 @@ def _kill_left(processes: list[subprocess.Popen]) -> None:
             p.communicate()
 
 
+def _owner_stranger_then_own_node(port: int, owner_args: list[str], stranger: tuple, own_args: list[str],
+                                  script: Path) -> tuple[tuple[int, str], tuple[int, str], tuple[int, str]]:
+    """The owner's launcher (hosting the rendezvous), then a stranger that must be refused, then the
+    owner's own second node: each one's exit code and output."""
+    owner = _launch(owner_args, script)
+    processes = [owner]
+    try:
+        _wait_listening(port, owner)
+        processes.append(_launch(*stranger))
+        refused = _finish([processes[-1]])[0]
+        processes.append(_launch(own_args, script))
+        return (refused, *_finish([owner, processes[-1]]))
+    finally:
+        _kill_left(processes)
+
+
 @pytest.mark.timeout(120)
 def test_a_refused_c10d_node_of_another_run_takes_no_node_number_from_the_run(tmp_path):
     # it took number 1, so the run's own second node was "one past --nnodes" and node 0 waited out
@@ -142,19 +158,11 @@ def test_a_refused_c10d_node_of_another_run_takes_no_node_number_from_the_run(tm
     script.write_text(_ONE_ALL_REDUCE)
     c10d = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-timeout", "40"]
-    host = _launch([*c10d, "--rdzv-id", "job-y"], script)
-    processes = [host]
-    try:
-        _wait_listening(port, host)
-        stranger = _launch([*c10d, "--rdzv-id", "job-x"], script)
-        processes.append(stranger)
-        code, said = _finish([stranger])[0]
-        assert code == 1 and "belongs to another job: job run:job-y (node 0's ddpkit run" in said, said
-        processes.append(_launch([*c10d, "--rdzv-id", "job-y"], script))
-        (host_code, host_said), (code, joined_said) = _finish([host, processes[-1]])
-    finally:
-        _kill_left(processes)
-    assert (host_code, code) == (0, 0), host_said + joined_said
+    (code, said), (host_code, host_said), (joined_code, joined_said) = _owner_stranger_then_own_node(
+        port, [*c10d, "--rdzv-id", "job-y"], ([*c10d, "--rdzv-id", "job-x"], script), [*c10d, "--rdzv-id", "job-y"],
+        script)
+    assert code == 1 and "belongs to another job: job run:job-y (node 0's ddpkit run" in said, said
+    assert (host_code, joined_code) == (0, 0), host_said + joined_said
     assert "job run:job-x (a node's ddpkit run" in host_said and "was refused" in host_said, host_said
     assert "rank 0 of 2: sum 2" in host_said and "rank 1 of 2: sum 2" in joined_said
 
@@ -167,19 +175,11 @@ def test_an_unnamed_run_of_several_nodes_refuses_a_stray_process_of_no_job(tmp_p
     script.write_text(_ONE_ALL_REDUCE)
     static = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
               "--rdzv-timeout", "40"]
-    node0 = _launch([*static, "--node-rank", "0"], script)
-    processes = [node0]
-    try:
-        _wait_listening(port, node0)
-        stray = _launch([], script, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        processes.append(stray)
-        code, said = _finish([stray])[0]
-        assert code == 1 and "belongs to another job: job unnamed-run:" in said, said
-        assert "This is an unnamed job (rank 1" in said
-        processes.append(_launch([*static, "--node-rank", "1"], script))
-        (code0, said0), (code1, said1) = _finish([node0, processes[-1]])
-    finally:
-        _kill_left(processes)
+    by_hand = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    (code, said), (code0, said0), (code1, said1) = _owner_stranger_then_own_node(
+        port, [*static, "--node-rank", "0"], ([], script, by_hand), [*static, "--node-rank", "1"], script)
+    assert code == 1 and "belongs to another job: job unnamed-run:" in said, said
+    assert "This is an unnamed job (rank 1" in said
     assert (code0, code1) == (0, 0), said0 + said1
     assert "an unnamed job (rank 1" in said0 and "was refused" in said0, said0
     assert "rank 0 of 2: sum 2" in said0 and "rank 1 of 2: sum 2" in said1

@@ -186,8 +186,7 @@ class Recorder:
 
     def _wrap(self, op: str, fn: Callable, tensor_arg: str | None, root_arg: str | None) -> Callable:
         names = list(inspect.signature(fn).parameters)
-        group_at = names.index("group")
-        async_at = names.index("async_op") if "async_op" in names else len(names)  # monitored_barrier blocks
+        group_at, async_at = names.index("group"), names.index("async_op") if "async_op" in names else len(names)
         tensor_at = names.index(tensor_arg) if tensor_arg else None
         root_at = names.index(root_arg) if root_arg else None
         reduce_at = names.index("op") if "op" in names else None  # the reductions: strict mode compares it
