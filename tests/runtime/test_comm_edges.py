@@ -12,6 +12,17 @@ from ranks import run_ranks
 import ddpkit
 
 
+def _on_two_ranks() -> dict:
+    """What the tests below read, from one pair of ranks (each pair costs seconds to start)."""
+    return {"gathered": _gathered_and_scattered_from_a_parameter(), "op_objects": _reduced_with_torchs_op_objects(),
+            "means": _means_near_the_top()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_on_two_ranks, 2)
+
+
 def _gathered_and_scattered_from_a_parameter():
     weight = torch.nn.Parameter(torch.ones(4) * (ddpkit.get_rank() + 1))
     out = [ddpkit.reduce_scatter(weight), *ddpkit.all_gather(weight), ddpkit.reduce_scatter([weight[:2], weight[2:]])]
@@ -19,12 +30,11 @@ def _gathered_and_scattered_from_a_parameter():
 
 
 @pytest.mark.timeout(60)
-def test_gathered_and_scattered_results_are_new_data_outside_autograd_as_torchs():
+def test_gathered_and_scattered_results_are_new_data_outside_autograd_as_torchs(two_ranks):
     # a grad_fn there sent each rank's backward into its own slice of its own input: a gradient of
     # [1, 1, 0, 0] on rank 0 where the sum's true one is [1, 1, 1, 1] on every rank
     expected = [(False, True, v) for v in ([3.0, 3.0], [1.0] * 4, [2.0] * 4, [3.0, 3.0])]
-    assert run_ranks(_gathered_and_scattered_from_a_parameter, 2) == [expected, [expected[0], *expected[1:3],
-                                                                      (False, True, [3.0, 3.0])]]
+    assert [r["gathered"] for r in two_ranks] == [expected, [expected[0], *expected[1:3], (False, True, [3.0, 3.0])]]
     weight = torch.nn.Parameter(torch.ones(4))  # a world of one gives the same
     for out in (ddpkit.reduce_scatter(weight), *ddpkit.all_gather(weight)):
         assert not out.requires_grad and out.grad_fn is None
@@ -54,8 +64,8 @@ def _reduced_with_torchs_op_objects():
 
 
 @pytest.mark.timeout(60)
-def test_torchs_reduce_op_objects_are_taken_as_their_members():
-    assert run_ranks(_reduced_with_torchs_op_objects, 2) == [[3.0, 2.0]] * 2
+def test_torchs_reduce_op_objects_are_taken_as_their_members(two_ranks):
+    assert [r["op_objects"] for r in two_ranks] == [[3.0, 2.0]] * 2
     premul = dist._make_nccl_premul_sum(2.0)
     with pytest.raises(ValueError, match=r"is not a reduction ddpkit knows"):
         ddpkit.all_reduce(torch.ones(1), premul)
@@ -69,10 +79,10 @@ def _means_near_the_top():
 
 
 @pytest.mark.timeout(60)
-def test_a_16_bit_mean_does_not_overflow_where_the_mean_itself_fits():
+def test_a_16_bit_mean_does_not_overflow_where_the_mean_itself_fits(two_ranks):
     big, half = torch.tensor([3e38, -3e38], dtype=torch.bfloat16), torch.tensor([60000.0], dtype=torch.float16)
     expected = (big.tolist(), [half.item(), 2.0 ** -24], [big[0].item()])
-    assert [tuple(r) for r in run_ranks(_means_near_the_top, 2)] == [expected] * 2
+    assert [tuple(r["means"]) for r in two_ranks] == [expected] * 2
 
 
 def test_init_takes_a_bool_for_check_collectives_and_numbers_for_its_timeouts():
