@@ -289,8 +289,8 @@ class Bucket(GradBucketBasics):
         if not isinstance(result, torch.Tensor) or result.numel() != own.numel():
             listed = isinstance(result, (list, tuple))  # work.get_future()'s own value: torch refuses it too
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor) else
-                   f"a {type(result).__name__} of {len(result)}, not a tensor (torch's DDP: \"Unable to cast\" it "
-                   "\"to Tensor\")" if listed else type(result).__name__)
+                   f"a {type(result).__name__} of {len(result)}, not a tensor (torch's DDP refuses it too: "
+                   "\"expected the hook result is a PyObject\")" if listed else type(result).__name__)
             raise CommHookError(explain(
                 f"the future of comm hook {hook_name} for bucket {self._index} holds {got}, but the bucket "
                 f"has {own.numel()} elements.", ("return dist.all_reduce(...).get_future().then(lambda fut: "

@@ -116,12 +116,15 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     collective failed because a peer went away, and no failure of this node's came before it."""
     place = failed.place
     title = "the job failed" if restart is None else f"attempt failed; restart {restart} follows"
+    tail = traceback_tail(failed.pump.stderr_tail())
+    report = any(REPORT_HEADER in line for line in tail)  # in the lines shown below
     lines = [_RULE, f"ddpkit run: {title}", _RULE,
              f"rank {failed.rank} (node {node_rank}, local rank {place.local_rank}, pid {failed.pid}, "
-             f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0, report_below=True)}"]
+             f"host {socket.gethostname()}): {describe_exit(failed.process.returncode or 0, report_below=report)}"]
     if consequence and failed.process.returncode != HANG_EXIT_CODE:
         lines.append("which is a consequence: its collective failed because a rank it waited on went away, and "
-                     "no rank on this node failed first; its hang report below says which rank, and how.")
+                     "no rank on this node failed first; " + ("its hang report below says which rank, and how."
+                                                              if report else "the other nodes' output says which."))
     also = [w for w in workers if w.state == "failed" and w is not failed]
     if also:
         lines.append("also failed, before they were stopped: " + ", ".join(
@@ -133,7 +136,6 @@ def failure_summary(failed: Worker, workers: list[Worker], node_rank: int,
     stopped = [w for w in workers if w.state == "stopped"]
     if stopped:
         lines.append("stopped because of it: " + ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stopped))
-    tail = traceback_tail(failed.pump.stderr_tail())
     if any(_GLOO_SIZE_MISMATCH in line for line in tail):
         lines.append("likely cause: the ranks passed tensors of different sizes (or dtypes) to one collective, "
                      "or called different ones there (a collective, or 'with model.join():', on some ranks "

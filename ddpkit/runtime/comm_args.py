@@ -51,7 +51,7 @@ def parse_reduce_op(op: Any) -> tuple[str, Any]:
 
 def check_op_dtype(function: str, op_name: str, tensor: torch.Tensor, given: Any = None) -> None:
     """A mean divides in place, which an integer tensor cannot hold, a bitwise reduction needs bits to
-    combine, and torch reduces complex tensors by sum only: refuse these on every world size (torch
+    combine, and torch neither orders nor multiplies complex tensors: refuse these on every world size (torch
     refuses the complex ones in a world of one too), naming the op as ``given``."""
     written = _as_written(given, op_name)
     if op_name in ("mean", "avg") and not (tensor.is_floating_point() or tensor.is_complex()):

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # What init() set up, so that a second init() returns it and shutdown() knows what to destroy.
-_state: dict[str, DistEnv | None] = {"env": None}
+_state: dict[str, Any] = {"env": None, "pid": None}  # init()'s DistEnv, and the process that made it
 _watch: list[hangs.HangWatch | None] = [None]  # the recorder and watchdog of that group
 _chosen: dict[str, object] = {}  # that init()'s timeout, stall_timeout and check_collectives
 
@@ -140,7 +140,7 @@ def init(backend: str | None = None, timeout: float | timedelta | None = None,
     if _watch[0] is not None:  # the group it watched was destroyed behind shutdown()'s back
         _watch[0].end()
     _watch[0] = hangs.start(env.rank, env.world_size, store, settings)
-    _state["env"] = env
+    _state["env"], _state["pid"] = env, os.getpid()
     _chosen.clear()
     _chosen.update(chosen)
     return env
@@ -160,7 +160,13 @@ def _dump_stacks_on_fatal_signals() -> None:
 
 
 def shutdown() -> None:
-    """Destroy the process group ``init()`` created; safe to call twice or without ``init()``."""
+    """Destroy the process group ``init()`` created; safe to call twice or without ``init()``.
+
+    In a child of ``os.fork()`` it only forgets the group: the group, its connections included,
+    is the parent rank's, which goes on."""
+    if _state.get("pid") not in (None, os.getpid()):
+        _watch[0], _state["env"], _state["pid"] = None, None, None
+        return
     watch, _watch[0] = _watch[0], None
     if watch is not None:  # first: ranks still waiting for this one learn that it left, and from where
         watch.end("shutdown", hangs.where_called())

@@ -88,6 +88,21 @@ def send_to_a_rank_in_a_barrier(rank: int) -> None:
     dist.barrier()  # <- send-barrier
 
 
+def send_while_the_receiver_computes(rank: int) -> None:
+    """Rank 1 has an all-reduce in flight (async, as DDP's buckets) and computes before it receives:
+    rank 0's send is slow, not stuck."""
+    y = torch.ones(2)
+    if rank == 0:
+        dist.send(torch.ones(4), dst=1)
+        dist.all_reduce(y)
+    else:
+        work = dist.all_reduce(y, async_op=True)
+        time.sleep(SLOW_SECONDS)
+        dist.recv(torch.zeros(4), src=0)
+        work.wait()
+    assert y.tolist() == [2.0, 2.0]
+
+
 def tags_that_differ(rank: int) -> None:
     """A pipeline's exchange whose tags disagree: rank 0 sends with tag 1, rank 1 receives tag 2."""
     dist.all_reduce(torch.ones(1))

@@ -98,8 +98,15 @@ def test_a_send_its_destination_cannot_receive_is_a_certain_deadlock(tmp_path, s
     verdict = _verdict(job.logs[0])
     assert said in verdict, verdict
     assert "which is never received: rank 1 waits in " + (
-        "a collective" if scenario == "send_to_a_rank_in_a_barrier" else "recv() from rank 0 with tag 2") in verdict
+        "barrier #2, which needs rank 0 too" if scenario == "send_to_a_rank_in_a_barrier"
+        else "recv() from rank 0 with tag 2") in verdict
     assert job.seconds < PROMPT
+
+
+def test_a_send_to_a_rank_that_computes_with_a_collective_in_flight_is_slow_not_stuck(tmp_path):
+    job = run_job("send_while_the_receiver_computes", 2, tmp_path, stall_timeout=STALL)
+    assert job.codes == [0, 0], job.log()
+    assert "slow is not wrong" in job.logs[0], job.log()
 
 
 def test_different_op_is_a_certain_deadlock(tmp_path):

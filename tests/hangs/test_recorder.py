@@ -42,14 +42,17 @@ def _a_forked_child_exits():
     rank = dist.get_rank()
     if rank == 0:
         pid = os.fork()
-        if pid == 0:  # the child ends as a script does: its atexit handlers run (ddpkit's too)
+        if pid == 0:  # the child ends as a script does: a finally: shutdown(), then the atexit handlers
+            import ddpkit
+
+            ddpkit.shutdown()
             atexit._run_exitfuncs()
             os._exit(0)
         os.waitpid(pid, 0)
     from ddpkit.runtime.process_group import _watch
 
     said = _watch[0].inquiry.store.check([f"final/{rank}"])
-    dist.barrier()
+    dist.barrier()  # the parent's group still works
     return said
 
 

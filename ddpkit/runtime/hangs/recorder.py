@@ -95,7 +95,7 @@ class Record:
     def describe(self, now: float) -> dict[str, Any]:
         return {"seq": self.seq, "op": self.op, "what": self.what(), "site": format_site(self.site),
                 "via": self.via, "age": round(now - self.start, 1), "error": self.error,
-                "outstanding": self.end is None}
+                "outstanding": self.end is None, "blocking": self.work is None}
 
 
 class GroupLog:

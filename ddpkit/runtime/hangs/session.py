@@ -77,6 +77,8 @@ class HangWatch:
 
     def end(self, how: str = "shutdown", where: str | None = None, error: str | None = None) -> None:
         """Leave the job: the last word first (the others may be waiting for this rank), then unwrap."""
+        if os.getpid() != self._pid:  # a forked child (shutdown() in its finally:): the rank goes on
+            return
         atexit.unregister(self._at_exit)
         if sys.exit == self._exiting:
             sys.exit = self._sys_exit

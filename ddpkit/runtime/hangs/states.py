@@ -72,15 +72,19 @@ def p2p_call(state: dict[str, Any], op: str) -> str:
 
 def unmatched_send(answers: dict[int, dict], rank: int) -> str | None:
     """Why ``rank``'s blocking send can never be received, or None where it may be (its destination
-    receives it, or computes and may yet): the destination waits in a collective, sends to this
-    rank too, or receives from it with another tag."""
+    receives it, or computes and may yet, an async collective of its outstanding or not): the
+    destination is blocked in a collective of a group that needs this rank too, sends to this rank,
+    or receives from it with another tag."""
     call = answers[rank].get("p2p") or {}
     peer = call.get("peer")
     if call.get("op") != "send" or peer not in answers:
         return None
     theirs = answers[peer].get("p2p")
     if theirs is None:
-        return f"rank {peer} waits in a collective" if first_waiting(answers[peer]) is not None else None
+        blocked = [item for group in answers[peer]["groups"] if rank in group["ranks"] for item in group["waiting"]
+                   if item.get("blocking") and not item.get("error")]
+        return f"rank {peer} waits in {blocked[0]['op']} #{blocked[0]['seq']}, which needs rank {rank} too" \
+            if blocked else None
     if theirs["op"] == "send" and theirs.get("peer") == rank:
         return f"rank {peer} waits in {p2p_call(answers[peer], 'send')} as well"
     tags = (call.get("tag"), theirs.get("tag"))
