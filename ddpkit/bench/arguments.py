@@ -32,7 +32,7 @@ def check_values(parser: argparse.ArgumentParser, args: argparse.Namespace, tabl
 
         formats = Figure().canvas.get_supported_filetypes()
         suffix = os.path.splitext(args.plot_path)[1].lstrip(".").lower()
-        if suffix not in formats:
+        if suffix and suffix not in formats:  # none: matplotlib writes a .png
             parser.error(f"--plot {args.plot_path!r}: matplotlib writes {', '.join(sorted(formats))}, "
                          "named by the file's extension (e.g. bench.png).")
 

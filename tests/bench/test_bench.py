@@ -275,6 +275,7 @@ def test_plot_paths_are_checked_before_the_run_and_models_counted_once(tmp_path,
             parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     assert parse_args(["--models", "small,small,large"]).models == ("small", "large")
+    assert parse_args(["--plot", str(tmp_path / "bench")]).plot_path.endswith("bench")  # matplotlib adds .png
 
 
 def test_table_numbers_select_tables():
