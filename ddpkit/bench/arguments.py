@@ -38,15 +38,14 @@ def check_values(parser: argparse.ArgumentParser, args: argparse.Namespace, tabl
 
 
 def _check_backend(parser: argparse.ArgumentParser, backend: str) -> None:
-    import torch.distributed as dist
+    """``init()``'s own check of a backend's name and build; NCCL's need of CUDA is said by the bench."""
+    from ddpkit.runtime.init_settings import choose_backend
 
-    known = ("gloo", "nccl", "mpi", "ucc", "xccl")
-    if backend not in known:
-        parser.error(f"--backend {backend!r} is not one of {', '.join(known)}.")
-    available = getattr(dist, f"is_{backend}_available", None)  # NCCL: the CUDA checks that follow say more
-    if backend != "nccl" and available is not None and not available():
-        parser.error(f"--backend {backend}: this build of torch has no {backend} backend "
-                     f"(torch.distributed.is_{backend}_available() is False). HINT: --backend gloo.")
+    if backend != "nccl":
+        try:
+            choose_backend(backend, "--backend")
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def _check_writable(parser: argparse.ArgumentParser, flag: str, path: str) -> None:

@@ -199,7 +199,7 @@ def test_statistics_and_formatting():
     (["--threads", "0"], "--threads must be >= 1, got 0"),  # 0 meant the default
     (["--max-size", "-1"], "--max-size must be >= 1, got -1"),  # an empty table, exit code 0
     (["--timeout", "-5"], "--timeout must be a number of seconds > 0, got -5"),
-    (["--backend", "foo"], "--backend 'foo' is not one of gloo, nccl"),
+    (["--backend", "foo"], "--backend='foo' is not one of ('gloo', 'nccl'"),
     (["--backend", "mpi"], "this build of torch has no mpi backend"),
     (["--json", "/nonexistent-ddpkit/x.json"], "the directory '/nonexistent-ddpkit' does not exist"),
     (["--json", "/"], "--json '/' is a directory"),
