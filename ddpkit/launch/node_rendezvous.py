@@ -54,8 +54,8 @@ class NodeRendezvous(Rendezvous):
         self._watch: NodeWatch | None = None
         self._registered = False
         self._attempt: int | None = None
-        who = "a node's ddpkit run" if config.assign_node_rank else f"node {config.node_rank}'s ddpkit run"
-        self._me = JobRecord.here(config.job_id, None, who)
+        # who this launcher is in a job record: c10d numbers its nodes only at the rendezvous
+        self._who = "a node's ddpkit run" if config.assign_node_rank else f"node {config.node_rank}'s ddpkit run"
         self._intruders = 0
 
     # ---------------------------------------------------------------------------------------- join
@@ -70,26 +70,25 @@ class NodeRendezvous(Rendezvous):
         if cfg.assign_node_rank:  # c10d: whoever binds the endpoint on its host is node 0
             self._server = try_hosting(cfg)
             if self._server is not None:
-                self._me = JobRecord.here(cfg.job_id, None, "node 0's ddpkit run")
+                self._who = "node 0's ddpkit run"
         elif cfg.node_rank == 0:
             self._server = host_node_store(cfg, self._error)
         if self._server is not None:
             if cfg.job_id is None:  # its workers still name one job, so that a stray process is refused
                 self._named(unnamed_run_name())
-            claim(self._server, self._me)
+            claim(self._server, self._me())
         self._store = connect(cfg, self._address, deadline, abort, self._error)
         store = self._store
         with self._node0_alive("join"):
             if self._server is None:  # a node of another job must not join this one, nor take a number
                 raw = store.underlying_store  # type: ignore[attr-defined]
-                owner = read_owner(raw, self._me, deadline, False)
+                owner = read_owner(raw, self._me(), deadline, False)
                 if cfg.job_id is None and is_unnamed_run(owner.job):
                     self._named(owner.job)
-                check_member(raw, self._me, owner, self._address)
+                check_member(raw, self._me(), owner, self._address)
             if cfg.assign_node_rank:
                 rank = number_this_node(store, self._server is not None, cfg.nnodes, self._address, self._error)
-                self._config = replace(self._config, node_rank=rank)
-                self._me = JobRecord.here(self._me.job, None, f"node {rank}'s ddpkit run")
+                self._config, self._who = replace(self._config, node_rank=rank), f"node {rank}'s ddpkit run"
             cfg = self._config
             self._check_nnodes(deadline, abort)
             me = {"host": socket.gethostname(), "pid": os.getpid(), "nproc": cfg.nproc_per_node}
@@ -113,7 +112,10 @@ class NodeRendezvous(Rendezvous):
         """An unnamed run's name, made by node 0 and taken by the others from its record (Note [Job
         identity in the rendezvous]): this run's workers give it, a process of no run is refused."""
         self._config = replace(self._config, job_id=job)
-        self._me = JobRecord.here(job, None, self._me.who)
+
+    def _me(self) -> JobRecord:
+        """This launcher in a job record: its run's job, as far as the rendezvous has named it."""
+        return JobRecord.here(self._config.job_id, None, self._who)
 
     def _check_nnodes(self, deadline: float, abort: Callable[[], bool]) -> None:
         """Node 0 publishes its --nnodes; every other node compares as soon as it is connected."""

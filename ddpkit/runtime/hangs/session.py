@@ -46,7 +46,7 @@ class HangWatch:
         self.recorder.failed = self._collective_failed
         self._asked = False  # a failed collective's inquiry has run already
         self._exit_site: str | None = None  # where the main thread called sys.exit()
-        self._pid = os.getpid()  # a child of os.fork() inherits the hooks, but is not the rank
+        self._pid = os.getpid()  # see _forked
 
     def begin(self) -> None:
         self.inquiry.introduce()
@@ -62,9 +62,13 @@ class HangWatch:
     def _exiting(self, status: object = None) -> NoReturn:
         """``sys.exit`` while the group lives: note where it was called, for the ranks still waiting
         on this one (Python keeps no trace of a SystemExit that ends the script), then exit."""
-        if threading.current_thread() is threading.main_thread() and os.getpid() == self._pid:
+        if threading.current_thread() is threading.main_thread() and not self._forked():
             self._exit_site = f"sys.exit({status!r:.80}) at {format_site(call_site(2)[0])}"
         self._sys_exit(status)
+
+    def _forked(self) -> bool:
+        """In a child of ``os.fork()``: it inherited these hooks, but it is not the rank."""
+        return os.getpid() != self._pid
 
     def _thread_died(self, args: threading.ExceptHookArgs) -> None:
         """A thread ended with an uncaught exception: the report names it (a main thread waiting for
@@ -77,7 +81,7 @@ class HangWatch:
 
     def end(self, how: str = "shutdown", where: str | None = None, error: str | None = None) -> None:
         """Leave the job: the last word first (the others may be waiting for this rank), then unwrap."""
-        if os.getpid() != self._pid:  # a forked child (shutdown() in its finally:): the rank goes on
+        if self._forked():  # shutdown() in a forked child's finally:, the rank goes on
             return
         atexit.unregister(self._at_exit)
         if sys.exit == self._exiting:
@@ -95,7 +99,7 @@ class HangWatch:
         self.recorder.forget()
 
     def _at_exit(self) -> None:
-        if os.getpid() != self._pid:  # a forked child ends: its last word would be taken for the rank's
+        if self._forked():  # a forked child ends: its last word would be taken for the rank's
             return
         error = getattr(sys, "last_value", None)  # set when an uncaught exception ends the script
         if error is None:

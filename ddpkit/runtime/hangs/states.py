@@ -64,10 +64,9 @@ def p2p_call(state: dict[str, Any], op: str) -> str:
     call = state.get("p2p")
     if not call or call.get("op") != op:
         return f"{op}()"
-    side = "to" if call.get("op") == "send" else "from"
     peer = "any rank" if call.get("peer") is None else f"rank {call['peer']}"
     tag = "" if call.get("tag") is None else f" with tag {call['tag']}"
-    return f"{call.get('op', 'a point-to-point call')}() {side} {peer}{tag}"
+    return f"{op}() {'to' if op == 'send' else 'from'} {peer}{tag}"
 
 
 def unmatched_send(answers: dict[int, dict], rank: int) -> str | None:
